@@ -1,0 +1,171 @@
+"""Quantization settings as plain, validated data.
+
+Everything here is a frozen dataclass: the numbers are checked once, when the
+settings are made, so a bad `--kv-bits` fails before any model is touched.
+Memory estimates are computed from these specs, never from live caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+ROTATIONS = ("none", "hadamard")
+SCALE_BYTES = 2  # scales and biases are stored as float16/bfloat16
+
+
+class UnsupportedKVConfig(ValueError):
+    """A KV setting that cannot be honoured for some layer of the model.
+
+    Raised at plan time (model load), never inside a forward pass. The message
+    names the layer, its kind, and what to change.
+    """
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one tensor (keys or values) of a cache is stored.
+
+    `bits=None` means full precision (the tensor's own dtype).
+    """
+
+    bits: int | None = None
+    group_size: int = 64
+    rotation: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.bits is not None and self.bits not in SUPPORTED_BITS:
+            raise ValueError(
+                f"kv bits must be one of {SUPPORTED_BITS} (or None for no quantization), "
+                f"got {self.bits}"
+            )
+        if self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(
+                f"kv group size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size}"
+            )
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"kv rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    def bytes_per_element(self, dtype_bytes: int = 2) -> float:
+        """Bytes one stored element costs, scales and biases included."""
+        if self.bits is None:
+            return float(dtype_bytes)
+        return self.bits / 8 + 2 * SCALE_BYTES / self.group_size
+
+    def check_dim(self, dim: int, where: str = "") -> None:
+        """Refuse a head dimension this spec cannot pack."""
+        if self.bits is None:
+            return
+        at = f" at {where}" if where else ""
+        if dim % self.group_size:
+            raise UnsupportedKVConfig(
+                f"head dimension {dim}{at} is not divisible by kv group size "
+                f"{self.group_size}; use --kv-group-size "
+                f"{max((g for g in SUPPORTED_GROUP_SIZES if dim % g == 0), default=32)}"
+                " or leave this layer unquantized"
+            )
+        if (dim * self.bits) % 32:
+            raise UnsupportedKVConfig(
+                f"head dimension {dim}{at} cannot be packed at {self.bits} bits "
+                f"(dim * bits must be a multiple of 32)"
+            )
+
+    def describe(self) -> str:
+        if self.bits is None:
+            return "fp16"
+        rot = "+rot" if self.rotation != "none" else ""
+        return f"{self.bits}b/g{self.group_size}{rot}"
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """Everything the user asked of the KV cache, in mlx-lm's vocabulary.
+
+    `bits` is `--kv-bits`; `key_bits`/`value_bits` override it per tensor.
+    `quantized_start` is `--quantized-kv-start`: caches hold full precision
+    until they reach that many tokens, then convert in place.
+    `recent` keeps the most recent tokens of full-attention layers in full
+    precision (KIVI-style residual), for low-bit settings.
+    """
+
+    bits: int | None = None
+    group_size: int = 64
+    key_bits: int | None = None
+    value_bits: int | None = None
+    rotation: str = "none"
+    quantized_start: int = 0
+    max_kv_size: int | None = None
+    allow_partial: bool = False
+    skip_layers: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        # Building the specs validates bits, group size and rotation.
+        self.key_spec  # noqa: B018
+        self.value_spec  # noqa: B018
+        if self.quantized_start < 0:
+            raise ValueError(f"quantized kv start must be >= 0, got {self.quantized_start}")
+        if self.max_kv_size is not None and self.max_kv_size < 1:
+            raise ValueError(f"max kv size must be positive, got {self.max_kv_size}")
+        if self.skip_layers and not self.allow_partial:
+            raise ValueError(
+                "skipping layers leaves them unquantized: pass --allow-partial-kv "
+                "together with --kv-skip-layers"
+            )
+        object.__setattr__(self, "skip_layers", tuple(sorted(set(self.skip_layers))))
+
+    @property
+    def key_spec(self) -> QuantSpec:
+        bits = self.key_bits if self.key_bits is not None else self.bits
+        return QuantSpec(bits, self.group_size, self.rotation if bits else "none")
+
+    @property
+    def value_spec(self) -> QuantSpec:
+        bits = self.value_bits if self.value_bits is not None else self.bits
+        return QuantSpec(bits, self.group_size, self.rotation if bits else "none")
+
+    @property
+    def enabled(self) -> bool:
+        return self.key_spec.quantized or self.value_spec.quantized
+
+    def with_(self, **changes) -> KVConfig:
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "unquantized (fp16)"
+        k, v = self.key_spec, self.value_spec
+        text = f"K {k.describe()} V {v.describe()}"
+        if self.quantized_start:
+            text += f", from token {self.quantized_start}"
+        return text
+
+    @classmethod
+    def from_args(
+        cls,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        kv_key_bits: int | None = None,
+        kv_value_bits: int | None = None,
+        kv_rotation: str = "none",
+        quantized_kv_start: int = 0,
+        max_kv_size: int | None = None,
+        allow_partial_kv: bool = False,
+        kv_skip_layers: tuple[int, ...] | list[int] | None = None,
+    ) -> KVConfig:
+        """Build from mlx-lm style keyword names (the CLI flag names)."""
+        return cls(
+            bits=kv_bits,
+            group_size=kv_group_size,
+            key_bits=kv_key_bits,
+            value_bits=kv_value_bits,
+            rotation=kv_rotation or "none",
+            quantized_start=quantized_kv_start or 0,
+            max_kv_size=max_kv_size,
+            allow_partial=allow_partial_kv,
+            skip_layers=tuple(kv_skip_layers or ()),
+        )
