@@ -1,0 +1,53 @@
+"""Cache storage per layout, and a report of what live caches hold."""
+
+from __future__ import annotations
+
+from mlx_lm.models import cache as mlx_cache
+
+from .base import DEQUANTIZED, PACKED, KVQCache
+from .batch import KVQBatchFullCache, KVQBatchWindowCache
+from .chunked import KVQChunkedCache
+from .full import KVQFullCache
+from .registry import REGISTRY, lookup, quantize_cache, register_for_prompt_files
+from .window import KVQWindowCache
+
+__all__ = [
+    "DEQUANTIZED",
+    "PACKED",
+    "REGISTRY",
+    "KVQBatchFullCache",
+    "KVQBatchWindowCache",
+    "KVQCache",
+    "KVQChunkedCache",
+    "KVQFullCache",
+    "KVQWindowCache",
+    "cache_report",
+    "lookup",
+    "quantize_cache",
+    "register_for_prompt_files",
+]
+
+
+def _leaves(cache) -> list:
+    if isinstance(cache, mlx_cache.CacheList):
+        return [leaf for c in cache.caches for leaf in _leaves(c)]
+    return [cache]
+
+
+def _entry(c) -> dict:
+    kind = lookup(c)
+    name = kind.name if kind else type(c).__name__
+    nbytes = c.nbytes if not c.empty() else 0
+    if isinstance(c, KVQCache):
+        return {"kind": name, "quantized": c.quantized, "nbytes": nbytes, "tokens": int(c.size())}
+    tokens = c.size() if hasattr(c, "size") else 0
+    return {"kind": name, "quantized": False, "nbytes": nbytes, "tokens": int(tokens)}
+
+
+def cache_report(caches: list) -> list[dict]:
+    """One entry per cache slot: kind, quantized, bytes held, tokens held.
+
+    A `CacheList` slot reports each member; recurrent state reports kind
+    "state" with `quantized` False (it is not a KV cache).
+    """
+    return [_entry(leaf) for c in caches for leaf in _leaves(c)]

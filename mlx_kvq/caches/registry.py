@@ -1,0 +1,122 @@
+"""Which cache kind maps to which quantized cache: the only place that decides.
+
+A cache type is supported because it is *declared* here, never because it
+happens to have some method. Lookups are by exact type: a subclass of
+`KVCache` with its own behaviour is unknown until someone declares it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+from ..config import QuantSpec
+from ..quant import Store
+from .base import PACKED, KVQCache
+from .batch import KVQBatchFullCache, KVQBatchWindowCache
+from .chunked import KVQChunkedCache
+from .full import KVQFullCache
+from .window import KVQWindowCache
+
+Converter = Callable[[object, QuantSpec, QuantSpec, int, str], KVQCache]
+
+
+@dataclass(frozen=True)
+class CacheKind:
+    """A declared cache layout.
+
+    `convert` builds the quantized twin of a (possibly filled) cache of this
+    type; None means the cache holds no key/value tensors (recurrent state).
+    """
+
+    name: str
+    convert: Converter | None
+    window: Callable[[object], int | None] = lambda c: None
+    description: str = ""
+
+
+def _batch_full(c: mlx_cache.BatchKVCache, k: QuantSpec, v: QuantSpec, start: int, hand_out: str):
+    q = KVQBatchFullCache(c.left_padding.tolist(), k, v, start, hand_out)
+    q.offset, q.left_padding, q._idx = c.offset, c.left_padding, c._idx
+    if c.keys is not None:
+        q.dtype = c.keys.dtype
+        specs = (k, v) if c._idx >= start else q._storage_specs()
+        q.keys, q.values = Store.encode(c.keys, specs[0]), Store.encode(c.values, specs[1])
+    return q
+
+
+def _batch_window(c: mlx_cache.BatchRotatingKVCache, k: QuantSpec, v: QuantSpec, start: int, hand_out: str):
+    q = KVQBatchWindowCache(c.max_size, c.left_padding.tolist(), k, v, start, hand_out)
+    q.offset, q.left_padding = c.offset, c.left_padding
+    q._idx, q._offset, q.rotated, q._lengths = c._idx, c._offset, c.rotated, c._lengths
+    if c.keys is not None:
+        q.dtype = c.keys.dtype
+        specs = (k, v) if c._offset >= start else q._storage_specs()
+        q.keys, q.values = Store.encode(c.keys, specs[0]), Store.encode(c.values, specs[1])
+    return q
+
+
+def _same(c, *_):
+    return c
+
+
+REGISTRY: dict[type, CacheKind] = {
+    mlx_cache.KVCache: CacheKind("full", KVQFullCache.from_cache, description="full attention"),
+    mlx_cache.ConcatenateKVCache: CacheKind(
+        "full", KVQFullCache.from_cache, description="full attention (concatenating)"
+    ),
+    mlx_cache.RotatingKVCache: CacheKind(
+        "sliding", KVQWindowCache.from_cache, lambda c: c.max_size, "sliding window"
+    ),
+    mlx_cache.ChunkedKVCache: CacheKind(
+        "chunked", KVQChunkedCache.from_cache, lambda c: c.chunk_size, "chunked attention"
+    ),
+    mlx_cache.BatchKVCache: CacheKind("full", _batch_full, description="full attention, batch"),
+    mlx_cache.BatchRotatingKVCache: CacheKind(
+        "sliding", _batch_window, lambda c: c.max_size, "sliding window, batch"
+    ),
+    mlx_cache.ArraysCache: CacheKind("state", None, description="recurrent state, not a KV cache"),
+    KVQFullCache: CacheKind("full", _same),
+    KVQWindowCache: CacheKind("sliding", _same, lambda c: c.max_size),
+    KVQChunkedCache: CacheKind("chunked", _same, lambda c: c.chunk_size),
+    KVQBatchFullCache: CacheKind("full", _same),
+    KVQBatchWindowCache: CacheKind("sliding", _same, lambda c: c.max_size),
+}
+
+# CacheList is a container: its members are looked up one by one.
+CONTAINERS = (mlx_cache.CacheList,)
+
+
+def lookup(cache) -> CacheKind | None:
+    """The declared kind of `cache`, by exact type (None if undeclared)."""
+    return REGISTRY.get(type(cache))
+
+
+def quantize_cache(cache, key_spec: QuantSpec, value_spec: QuantSpec, start: int = 0, hand_out: str = PACKED):
+    """The quantized twin of one cache slot (containers recursively).
+
+    Raises `TypeError` for a type nobody declared.
+    """
+    if type(cache) in CONTAINERS:
+        members = [quantize_cache(c, key_spec, value_spec, start, hand_out) for c in cache.caches]
+        return mlx_cache.CacheList(*members)
+    kind = lookup(cache)
+    if kind is None:
+        raise TypeError(f"cache type {type(cache).__module__}.{type(cache).__name__} is not declared")
+    if kind.convert is None:
+        return cache
+    return kind.convert(cache, key_spec, value_spec, start, hand_out)
+
+
+def register_for_prompt_files() -> None:
+    """Make our classes resolvable where mlx-lm's `load_prompt_cache` looks
+    them up (`globals()` of `mlx_lm.models.cache`)."""
+    for cls in (KVQFullCache, KVQWindowCache, KVQChunkedCache, KVQBatchFullCache, KVQBatchWindowCache):
+        setattr(mlx_cache, cls.__name__, cls)
+
+
+def dtype_bytes(dtype: mx.Dtype) -> int:
+    return dtype.size

@@ -1,0 +1,184 @@
+"""Sliding window, one sequence: the quantized twin of `RotatingKVCache`.
+
+The ring keeps `keep` sink tokens at the front and at most `max_size` slots,
+so its bytes stay bounded however long the conversation runs. Multi-token
+updates put the ring in temporal order and append (as mlx-lm does);
+one-token updates write a slot in place, so decoding never reorders the ring.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import RotatingKVCache
+
+from ..config import QuantSpec
+from ..quant import Store
+from .base import PACKED, KVQCache
+
+
+class KVQWindowCache(KVQCache):
+    kind = "sliding"
+
+    def __init__(
+        self,
+        max_size: int,
+        key_spec: QuantSpec,
+        value_spec: QuantSpec,
+        keep: int = 0,
+        start: int = 0,
+        hand_out: str = PACKED,
+    ):
+        if max_size <= keep:
+            raise ValueError(
+                f"sliding window max_size ({max_size}) must be larger than keep ({keep})"
+            )
+        self._init_specs(key_spec, value_spec, start, hand_out)
+        self.max_size = max_size
+        self.keep = keep
+        self.offset = 0
+        self._idx = 0
+        self.dtype = None
+
+    # -- ring mechanics -----------------------------------------------------
+    def _trim(self, trim_size: int, v: Store, append: Store | None = None) -> Store:
+        parts = [v]
+        if trim_size > 0:
+            parts = [v[..., : self.keep, :], v[..., trim_size + self.keep :, :]]
+        if append is not None:
+            parts.append(append)
+        return Store.concat(parts) if len(parts) > 1 else parts[0]
+
+    def _temporal_order(self, v: Store) -> Store:
+        """The ring in temporal order, unused tail sliced off."""
+        if self._idx == v.length:
+            return v
+        if self._idx < self.offset:
+            return Store.concat(
+                [v[..., : self.keep, :], v[..., self._idx :, :], v[..., self.keep : self._idx, :]]
+            )
+        return v[..., : self._idx, :]
+
+    def _update_concat(self, k: Store, v: Store) -> None:
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys = self._temporal_order(self.keys)
+            self.values = self._temporal_order(self.values)
+            self._idx = self.keys.length
+            trim_size = self._idx - self.max_size + 1
+            self.keys = self._trim(trim_size, self.keys, k)
+            self.values = self._trim(trim_size, self.values, v)
+        self.offset += k.length
+        self._idx = self.keys.length
+
+    def _update_in_place(self, k: Store, v: Store) -> None:
+        prev = self.offset
+        if self.keys is None or (prev >= self.keys.length and self.keys.length < self.max_size):
+            grow = min(self.step, self.max_size - prev)
+            if self.keys is None:
+                self.keys, self.values = k.zeros(grow), v.zeros(grow)
+            else:
+                self.keys = Store.concat([self.keys, k.zeros(grow)])
+                self.values = Store.concat([self.values, v.zeros(grow)])
+            self._idx = prev
+        trim_size = self.keys.length - self.max_size
+        if trim_size > 0:
+            self.keys = self._trim(trim_size, self.keys)
+            self.values = self._trim(trim_size, self.values)
+            self._idx = self.max_size
+        if self._idx == self.max_size:
+            self._idx = self.keep
+        self.keys[..., self._idx : self._idx + 1, :] = k
+        self.values[..., self._idx : self._idx + 1, :] = v
+        self.offset += 1
+        self._idx += 1
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._remember_dtype(keys)
+        k, v = self._encode(keys, values)
+        if keys.shape[2] == 1:
+            self._update_in_place(k, v)
+        else:
+            self._update_concat(k, v)
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        k, v = self.keys, self.values
+        if self.offset < k.length:
+            k, v = k[..., : self.offset, :], v[..., : self.offset, :]
+        return self._hand_out(k, v)
+
+    # -- masks --------------------------------------------------------------
+    def slot_positions(self) -> mx.array:
+        """Absolute token position each returned slot will hold after a
+        one-token update (the mask is made before the update)."""
+        p = self.offset
+        if p < self.max_size:
+            return mx.arange(p + 1)
+        w = self.keep if self._idx >= self.max_size else self._idx
+        ring = self.max_size - self.keep
+        j = mx.arange(self.max_size)
+        pos = p - (w - j) % ring
+        return mx.where(j < self.keep, j, pos)
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        if N > 1:
+            window_size = window_size or self.max_size
+            offset = min(self.max_size - 1, self.offset)
+            if offset + N > window_size or return_array:
+                return create_causal_mask(N, offset, window_size=window_size)
+            return "causal"
+        if window_size is None or self.offset < window_size:
+            return None
+        return self.slot_positions() > self.offset - window_size
+
+    # -- protocol -----------------------------------------------------------
+    def size(self) -> int:
+        return min(self.offset, self.max_size)
+
+    def is_trimmable(self) -> bool:
+        return self.offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        self._idx -= n
+        return n
+
+    @property
+    def state(self):
+        return [
+            self._store_state(), self.offset, self.keep, self.max_size, self._idx,
+            self._spec_state(),
+        ]  # fmt: skip
+
+    @state.setter
+    def state(self, v):
+        stores, offset, keep, max_size, idx, meta = v
+        self._set_spec_state(meta)
+        self._set_store_state(stores)
+        self.offset, self.keep, self.max_size, self._idx = int(offset), int(keep), int(max_size), int(idx)
+
+    @classmethod
+    def merge(cls, caches):
+        from .batch import KVQBatchWindowCache
+
+        return KVQBatchWindowCache.merge(caches)
+
+    @classmethod
+    def from_cache(
+        cls, cache: RotatingKVCache, key_spec: QuantSpec, value_spec: QuantSpec,
+        start: int = 0, hand_out: str = PACKED,
+    ) -> KVQWindowCache:
+        """The quantized twin of a filled `RotatingKVCache`: same offset, ring
+        index and sink tokens, slot for slot."""
+        q = cls(cache.max_size, key_spec, value_spec, cache.keep, start, hand_out)
+        if cache.keys is not None:
+            q.dtype = cache.keys.dtype
+            q.offset, q._idx = 0, cache._idx
+            kspec, vspec = q._storage_specs() if cache.offset < start else (key_spec, value_spec)
+            q.keys = Store.encode(cache.keys, kspec)
+            q.values = Store.encode(cache.values, vspec)
+            q.offset = cache.offset
+        return q

@@ -1,0 +1,260 @@
+"""Generation with quantized caches: mirrors of mlx-lm's entry points.
+
+`make_prompt_cache`, `generate_step`, `stream_generate` and `generate` take
+mlx-lm's arguments and behave like mlx-lm's, except that every KV layer is
+quantized by the plan (mlx-lm quantizes only plain `KVCache`s and crashes on
+sliding windows). Caches are built already quantized (or convert themselves
+at `quantized_kv_start`), so mlx-lm's own loops run them unchanged.
+
+One deliberate difference: `quantized_kv_start` defaults to 0 (quantize from
+the first token); mlx-lm's default is 5000.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import weakref
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as mlx_cache
+
+from .caches import quantize_cache
+from .config import KVConfig, UnsupportedKVConfig
+from .plan import KVPlan, plan_kv
+
+# `mlx_lm.generate` the attribute is a function; the module is what we need.
+mlx_generate = importlib.import_module("mlx_lm.generate")
+
+_PLANS: dict[int, dict] = {}
+
+KV_KEYS = (
+    "kv_bits", "kv_group_size", "kv_key_bits", "kv_value_bits", "kv_rotation",
+    "quantized_kv_start", "max_kv_size", "allow_partial_kv", "kv_skip_layers",
+)  # fmt: skip
+
+
+def kv_config_from_kwargs(kwargs: dict) -> KVConfig:
+    """Pop mlx-lm style KV keywords out of `kwargs` into a `KVConfig`."""
+    return KVConfig.from_args(**{k: kwargs.pop(k) for k in KV_KEYS if k in kwargs})
+
+
+def get_plan(model: nn.Module, kv_config: KVConfig, batch: bool = False) -> KVPlan:
+    """The plan for `model` under `kv_config`, computed once per model."""
+    key = id(model)
+    if key not in _PLANS:
+        _PLANS[key] = {}
+        weakref.finalize(model, _PLANS.pop, key, None)
+    plans = _PLANS[key]
+    if (kv_config, batch) not in plans:
+        plans[(kv_config, batch)] = plan_kv(model, kv_config, batch=batch)
+    return plans[(kv_config, batch)]
+
+
+def make_prompt_cache(
+    model: nn.Module,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    max_kv_size: int | None = None,
+    quantized_kv_start: int = 0,
+    kv_key_bits: int | None = None,
+    kv_value_bits: int | None = None,
+    kv_rotation: str = "none",
+    allow_partial_kv: bool = False,
+    kv_skip_layers: tuple[int, ...] | None = None,
+) -> list[Any]:
+    """One cache per cache slot of the model (same length and order as
+    mlx-lm's), every KV layer quantized as planned.
+
+    With no bits requested it returns mlx-lm's own unquantized caches.
+    Raises `ValueError` / `UnsupportedKVConfig` for a setting the model cannot
+    honour, before any forward pass.
+    """
+    cfg = KVConfig.from_args(
+        kv_bits, kv_group_size, kv_key_bits, kv_value_bits, kv_rotation,
+        quantized_kv_start, max_kv_size, allow_partial_kv, kv_skip_layers,
+    )  # fmt: skip
+    if not cfg.enabled:
+        return mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
+    return get_plan(model, cfg).make_cache()
+
+
+def quantize_prompt_cache(prompt_cache: list, plan: KVPlan) -> list:
+    """Replace, in place, filled unquantized entries with their quantized twins
+    (position, ring index and sink tokens preserved)."""
+    by_slot = {p.slot: p for p in plan.layers if p.member is None}
+    start = plan.config.quantized_start
+    for i, c in enumerate(prompt_cache):
+        p = by_slot.get(i)
+        if p is not None and (not p.is_kv or p.skipped):
+            continue
+        prompt_cache[i] = quantize_cache(
+            c, plan.config.key_spec, plan.config.value_spec, start,
+            p.hand_out if p is not None else "packed",
+        )  # fmt: skip
+    return prompt_cache
+
+
+def _prepare_cache(model: nn.Module, prompt_cache: list | None, cfg: KVConfig) -> list | None:
+    if not cfg.enabled:
+        if prompt_cache is None and cfg.max_kv_size is not None:
+            return mlx_cache.make_prompt_cache(model, max_kv_size=cfg.max_kv_size)
+        return prompt_cache
+    plan = get_plan(model, cfg)
+    if prompt_cache is None:
+        return plan.make_cache()
+    if len(prompt_cache) != len(plan.layers) and len(prompt_cache) != len(
+        {(p.slot) for p in plan.layers}
+    ):
+        raise UnsupportedKVConfig(
+            f"prompt cache has {len(prompt_cache)} entries, the model has "
+            f"{len({p.slot for p in plan.layers})} cache slots"
+        )
+    return quantize_prompt_cache(prompt_cache, plan)
+
+
+def generate_step(
+    prompt: mx.array,
+    model: nn.Module,
+    stream=mlx_generate.generation_stream,
+    *,
+    max_tokens: int = 256,
+    sampler=None,
+    logits_processors=None,
+    max_kv_size: int | None = None,
+    prompt_cache: list | None = None,
+    prefill_step_size: int = 2048,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
+    prompt_progress_callback=None,
+    input_embeddings: mx.array | None = None,
+    kv_key_bits: int | None = None,
+    kv_value_bits: int | None = None,
+    kv_rotation: str = "none",
+) -> Generator[tuple[int, mx.array], None, None]:
+    """mlx-lm's `generate_step`, with every KV layer quantized."""
+    cfg = KVConfig.from_args(
+        kv_bits, kv_group_size, kv_key_bits, kv_value_bits, kv_rotation,
+        quantized_kv_start, max_kv_size,
+    )  # fmt: skip
+    prompt_cache = _prepare_cache(model, prompt_cache, cfg)
+    yield from mlx_generate.generate_step(
+        prompt, model, stream,
+        max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
+        prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
+        prompt_progress_callback=prompt_progress_callback, input_embeddings=input_embeddings,
+    )  # fmt: skip
+
+
+def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model=None, **kwargs):
+    """mlx-lm's `stream_generate`, with every KV layer quantized (the draft
+    model's too, under speculative decoding)."""
+    cfg = kv_config_from_kwargs(kwargs)
+    prompt_cache = kwargs.pop("prompt_cache", None)
+    if draft_model is None:
+        kwargs["prompt_cache"] = _prepare_cache(model, prompt_cache, cfg)
+        yield from mlx_generate.stream_generate(model, tokenizer, prompt, max_tokens, **kwargs)
+        return
+    from .speculative import speculative_caches
+
+    kwargs["prompt_cache"] = speculative_caches(model, draft_model, prompt_cache, cfg)
+    yield from mlx_generate.stream_generate(
+        model, tokenizer, prompt, max_tokens, draft_model=draft_model, **kwargs
+    )
+
+
+def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
+    """mlx-lm's `generate` on top of our `stream_generate`."""
+    text = ""
+    response = None
+    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose and response is not None:
+        print()
+        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+        print(
+            f"Generation: {response.generation_tokens} tokens, "
+            f"{response.generation_tps:.3f} tokens-per-sec"
+        )
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return text
+
+
+# -- prompt-cache files --------------------------------------------------------
+def save_prompt_cache(file_name: str, cache: list, metadata: dict[str, str] | None = None) -> None:
+    """mlx-lm's `save_prompt_cache`, recording the KV settings of the caches."""
+    from .caches import cache_report
+
+    meta = dict(metadata or {})
+    meta["mlx_kvq"] = json.dumps(
+        [{"kind": r["kind"], "quantized": r["quantized"]} for r in cache_report(cache)]
+        + [{"settings": _cache_settings(cache)}]
+    )
+    mlx_cache.save_prompt_cache(file_name, cache, meta)
+
+
+def _cache_settings(cache: list) -> str:
+    from .caches import KVQCache
+
+    for c in cache:
+        if isinstance(c, KVQCache):
+            return c.describe().split(" ", 1)[1]
+    return "unquantized"
+
+
+def load_prompt_cache(file_name: str, return_metadata: bool = False, expect: KVConfig | None = None):
+    """mlx-lm's `load_prompt_cache` with clear errors.
+
+    A file holding a cache class that cannot be resolved raises `ValueError`
+    naming it (mlx-lm raises a bare `KeyError`). With `expect`, a file whose
+    quantized layers were stored with other settings is refused, checked on
+    every layer (mlx-lm only looks at layer 0, a sliding layer on Gemma).
+    """
+    if not Path(file_name).exists():
+        raise FileNotFoundError(f"prompt cache file {file_name} does not exist")
+    _, meta = mx.load(str(file_name), return_metadata=True)
+    classes = [v for k, v in sorted(meta.items(), key=lambda kv: _meta_order(kv[0])) if k.startswith("1.")]
+    unknown = sorted({c for c in classes if not hasattr(mlx_cache, c)})
+    if unknown:
+        raise ValueError(
+            f"prompt cache file {file_name} holds cache classes {unknown} that are not "
+            "known to mlx-lm or mlx-kvq (written by another library or version?)"
+        )
+    cache, metadata = mlx_cache.load_prompt_cache(str(file_name), return_metadata=True)
+    if expect is not None:
+        check_prompt_cache_settings(cache, expect, file_name)
+    return (cache, metadata) if return_metadata else cache
+
+
+def _meta_order(key: str):
+    return [int(p) if p.isdigit() else p for p in key.split(".")]
+
+
+def check_prompt_cache_settings(cache: list, expect: KVConfig, source: str = "prompt cache") -> None:
+    """Refuse caches stored with KV settings other than `expect`, layer by layer."""
+    from .caches import KVQCache
+
+    for i, c in enumerate(cache):
+        leaves = c.caches if isinstance(c, mlx_cache.CacheList) else [c]
+        for leaf in leaves:
+            if isinstance(leaf, KVQCache):
+                got = (leaf.key_spec, leaf.value_spec)
+                want = (expect.key_spec, expect.value_spec)
+                if got != want:
+                    raise UnsupportedKVConfig(
+                        f"{source}: layer {i} was stored as {leaf.describe()}, but "
+                        f"{expect.describe()} was requested; rebuild the prompt cache with "
+                        "these settings or pass the settings it was made with"
+                    )
+            elif expect.enabled and type(leaf) in (mlx_cache.KVCache, mlx_cache.RotatingKVCache):
+                raise UnsupportedKVConfig(
+                    f"{source}: layer {i} is unquantized ({type(leaf).__name__}), but "
+                    f"{expect.describe()} was requested"
+                )

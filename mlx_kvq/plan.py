@@ -1,0 +1,483 @@
+"""The per-layer KV plan: decided and checked when the model is loaded.
+
+`plan_kv` looks at every cache slot the model asks for (mlx-lm's own
+`make_prompt_cache`), classifies it through the declared registry, and runs a
+*lazy* probe forward pass (graph construction only: no weights are
+materialised, so it works from `config.json` alone) that
+
+- reads the exact key/value shapes of every slot (bytes per token),
+- checks the quantized caches and the attention redirect against the real
+  model code: every KV slot must reach quantized attention, or the model must
+  take dequantized arrays (reported, with its transient cost),
+
+so that an unsupported setting raises `UnsupportedKVConfig` at load time,
+naming the layer and the fix, never on the first request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as mlx_cache
+
+from . import attention
+from .caches import DEQUANTIZED, PACKED, KVQWindowCache, lookup, quantize_cache
+from .config import KVConfig, QuantSpec, UnsupportedKVConfig
+
+# Model code that cannot take packed K/V: it calls array methods on the
+# cached tensors (latent attention, sparse indexers) or bypasses mlx-lm's
+# attention function. Those layers keep quantized storage and are handed
+# dequantized arrays. Found by the architecture sweep; the probe below also
+# catches any model not listed here.
+DEQUANTIZED_MODELS = frozenset(
+    {
+        "afm7", "bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "deepseek_v32",
+        "deepseek_v41", "gemma2", "glm4_moe_lite", "glm_moe_dsa", "kimi_k25",
+        "kimi_k3", "kimi_linear", "kimi_vl", "longcat_flash", "mistral4", "phi",
+        "phi3small", "phixtral", "plamo", "plamo2", "stablelm",
+    }
+)  # fmt: skip
+
+KV_KINDS = ("full", "sliding", "chunked")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one cache slot gets."""
+
+    slot: int
+    kind: str  # full | sliding | chunked | state
+    window: int | None
+    key_spec: QuantSpec
+    value_spec: QuantSpec
+    kv_heads: int = 0
+    key_dim: int = 0
+    value_dim: int = 0
+    hand_out: str = PACKED
+    skipped: bool = False
+    state_bytes: int = 0
+    member: int | None = None  # position inside a CacheList slot
+
+    @property
+    def is_kv(self) -> bool:
+        return self.kind in KV_KINDS
+
+    @property
+    def quantized(self) -> bool:
+        return self.is_kv and not self.skipped and (self.key_spec.quantized or self.value_spec.quantized)
+
+    def bytes_per_token(self, quantized: bool = True) -> float:
+        if not self.is_kv:
+            return 0.0
+        k = self.key_spec if quantized and not self.skipped else QuantSpec(None)
+        v = self.value_spec if quantized and not self.skipped else QuantSpec(None)
+        return self.kv_heads * (
+            self.key_dim * k.bytes_per_element() + self.value_dim * v.bytes_per_element()
+        )
+
+    def tokens_held(self, context: int) -> int:
+        return context if self.window is None else min(context, self.window)
+
+    def label(self) -> str:
+        if self.kind == "state":
+            return "state (recurrent, not a KV cache)"
+        text = self.kind if self.window is None else f"{self.kind}({self.window})"
+        if self.skipped:
+            return f"{text} UNQUANTIZED (skipped on request)"
+        text += f" K {self.key_spec.describe()} V {self.value_spec.describe()}"
+        if self.hand_out == DEQUANTIZED:
+            text += " [dequantized hand-out]"
+        return text
+
+
+@dataclass
+class KVPlan:
+    """Every cache slot of a model, what it gets, and what it costs."""
+
+    model_type: str
+    config: KVConfig
+    layers: list[LayerPlan]
+    num_model_layers: int
+    shared_layers: int = 0
+    sinks: bool = False
+    batch: bool = False
+    max_context: int | None = None
+    notes: list[str] = field(default_factory=list)
+    _model: object = field(default=None, repr=False, compare=False)
+
+    # -- building caches ----------------------------------------------------
+    def make_cache(self) -> list:
+        """Fresh caches for one sequence, exactly as planned."""
+        if self._model is None:
+            raise RuntimeError("this plan was made from a config alone; load the model to make caches")
+        return build_caches(self._model, self)
+
+    # -- facts --------------------------------------------------------------
+    @property
+    def kv_layers(self) -> list[LayerPlan]:
+        return [p for p in self.layers if p.is_kv]
+
+    @property
+    def kinds(self) -> set[str]:
+        kinds = {p.kind for p in self.layers}
+        if self.shared_layers:
+            kinds.add("shared")
+        return kinds
+
+    @property
+    def max_window(self) -> int | None:
+        windows = [p.window for p in self.kv_layers if p.window is not None]
+        return max(windows) if windows else None
+
+    @property
+    def partial(self) -> bool:
+        return any(p.skipped for p in self.kv_layers)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return round(sum(p.bytes_per_token() for p in self.kv_layers))
+
+    def estimate(self, context: int, batch: int = 1) -> dict:
+        """KV bytes at `context` tokens for `batch` sequences, by kind."""
+        by_kind: dict[str, dict[str, int]] = {}
+        for p in self.layers:
+            entry = by_kind.setdefault(p.kind, {"layers": 0, "bytes": 0, "fp16_bytes": 0})
+            entry["layers"] += 1
+            if p.is_kv:
+                n = p.tokens_held(context) * batch
+                entry["bytes"] += round(p.bytes_per_token() * n)
+                entry["fp16_bytes"] += round(p.bytes_per_token(quantized=False) * n)
+            else:
+                entry["bytes"] += p.state_bytes * batch
+                entry["fp16_bytes"] += p.state_bytes * batch
+        total = sum(e["bytes"] for e in by_kind.values())
+        fp16 = sum(e["fp16_bytes"] for e in by_kind.values())
+        return {
+            "context": context, "batch": batch, "by_kind": by_kind,
+            "bytes": total, "fp16_bytes": fp16, "ratio": total / fp16 if fp16 else 1.0,
+        }  # fmt: skip
+
+    # -- reports ------------------------------------------------------------
+    def summary(self) -> str:
+        """One line: coverage, kinds, bits, bytes per token."""
+        kv = self.kv_layers
+        quantized = sum(p.quantized for p in kv)
+        parts = []
+        for kind in KV_KINDS:
+            n = sum(p.kind == kind for p in kv)
+            if n:
+                windows = sorted({p.window for p in kv if p.kind == kind and p.window})
+                parts.append(f"{n} {kind}" + (f"({','.join(map(str, windows))})" if windows else ""))
+        state = sum(p.kind == "state" for p in self.layers)
+        if state:
+            parts.append(f"{state} state (not KV)")
+        if self.shared_layers:
+            parts.append(f"{self.shared_layers} KV-shared")
+        line = (
+            f"{self.model_type}: {quantized}/{len(kv)} KV layers quantized "
+            f"[{', '.join(parts)}], {self.config.describe()}, "
+            f"{self.bytes_per_token} KV bytes/token"
+        )
+        if self.partial:
+            line = "WARNING: PARTIAL KV QUANTIZATION (explicitly requested). " + line
+        return line
+
+    def table(self) -> str:
+        """Per-layer table, runs of identical layers grouped."""
+        lines = [self.summary(), ""]
+        lines.append(f"{'slots':>10}  {'treatment':<58} {'heads':>5} {'dims':>9} {'B/token':>9}")
+        for first, last, p in _runs(self.layers):
+            slots = str(first) if first == last else f"{first}-{last}"
+            dims = f"{p.key_dim}/{p.value_dim}" if p.is_kv else "-"
+            bpt = f"{p.bytes_per_token():.0f}" if p.is_kv else f"{p.state_bytes} B"
+            lines.append(f"{slots:>10}  {p.label():<58} {p.kv_heads or '-':>5} {dims:>9} {bpt:>9}")
+        if self.shared_layers:
+            lines.append(
+                f"{'':>10}  {self.shared_layers} layers reuse an earlier layer's K/V "
+                "(KV-shared): no cache of their own, quantized attention on the owner's K/V"
+            )
+        if self.sinks:
+            lines.append(f"{'':>10}  attention sinks: handled by quantized attention")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "model_type": self.model_type,
+            "summary": self.summary(),
+            "kv_config": asdict(self.config),
+            "layers": [
+                {**asdict(p), "label": p.label(), "quantized": p.quantized,
+                 "bytes_per_token": p.bytes_per_token()}
+                for p in self.layers
+            ],
+            "shared_layers": self.shared_layers,
+            "kinds": sorted(self.kinds),
+            "kv_layers": len(self.kv_layers),
+            "quantized_layers": sum(p.quantized for p in self.kv_layers),
+            "partial": self.partial,
+            "sinks": self.sinks,
+            "bytes_per_token": self.bytes_per_token,
+            "fp16_bytes_per_token": round(sum(p.bytes_per_token(False) for p in self.kv_layers)),
+            "max_window": self.max_window,
+            "max_context": self.max_context,
+            "notes": self.notes,
+        }  # fmt: skip
+
+
+def _runs(layers: list[LayerPlan]) -> Iterable[tuple[int, int, LayerPlan]]:
+    def key(p: LayerPlan):
+        return (p.label(), p.kv_heads, p.key_dim, p.value_dim, p.state_bytes)
+
+    start = 0
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or key(layers[i]) != key(layers[start]):
+            yield layers[start].slot, layers[i - 1].slot, layers[start]
+            start = i
+
+
+# -- building -----------------------------------------------------------------
+def _prototype(model, max_kv_size: int | None) -> list:
+    """mlx-lm's own (unquantized) cache list for the model."""
+    return mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
+
+
+def _flatten(caches: list) -> list[tuple[int, int | None, object]]:
+    out = []
+    for slot, c in enumerate(caches):
+        if type(c) is mlx_cache.CacheList:
+            out.extend((slot, m, member) for m, member in enumerate(c.caches))
+        else:
+            out.append((slot, None, c))
+    return out
+
+
+def build_caches(model, plan: KVPlan) -> list:
+    """Quantized caches for one sequence following `plan`."""
+    proto = _prototype(model, None if plan.config.max_kv_size is None else plan.config.max_kv_size)
+    by_slot = {(p.slot, p.member): p for p in plan.layers}
+    start = plan.config.quantized_start
+
+    def convert(slot: int, member: int | None, c):
+        p = by_slot[(slot, member)]
+        if not p.is_kv or p.skipped:
+            return c
+        if p.kind == "full" and p.window is not None:
+            return KVQWindowCache(
+                p.window, p.key_spec, p.value_spec, keep=0 if plan.batch else 4,
+                start=start, hand_out=p.hand_out,
+            )  # fmt: skip
+        return quantize_cache(c, p.key_spec, p.value_spec, start, p.hand_out)
+
+    out = []
+    for slot, c in enumerate(proto):
+        if type(c) is mlx_cache.CacheList:
+            out.append(mlx_cache.CacheList(*(convert(slot, m, x) for m, x in enumerate(c.caches))))
+        else:
+            out.append(convert(slot, None, c))
+    return out
+
+
+def _model_type(model) -> str:
+    args = getattr(model, "args", None)
+    mt = getattr(args, "model_type", None)
+    if mt:
+        return mt
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+def model_from_config(config: dict | str | Path) -> nn.Module:
+    """Build a model from `config.json` without loading (or materialising) weights."""
+    from mlx_lm.utils import _get_classes
+
+    if not isinstance(config, dict):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        config = json.loads(path.read_text())
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    attention.install()
+    return model
+
+
+def _probe(model, caches: list) -> tuple[object, list]:
+    """Lazy forward pass (2 tokens, then 1): builds the graph, computes nothing."""
+    with attention.count_attention() as counts:
+        model(mx.array([[1, 2]]), cache=caches)
+        model(mx.array([[3]]), cache=caches)
+    return counts, caches
+
+
+def _slot_shapes(c) -> tuple[int, int, int]:
+    """(kv heads, key dim, value dim) of a probed mlx-lm cache."""
+    return c.keys.shape[1], c.keys.shape[-1], c.values.shape[-1]
+
+
+def plan_kv(
+    model_or_config,
+    kv_config: KVConfig | None = None,
+    *,
+    batch: bool = False,
+) -> KVPlan:
+    """Plan (and check) KV caches for every cache slot of a model.
+
+    `model_or_config` is a loaded model, a `config.json` dict, or a path to a
+    model directory or config file (then no weights are loaded). `batch`
+    plans for continuous batching (windowed full layers keep no sink tokens).
+    """
+    cfg = kv_config or KVConfig()
+    model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
+    attention.install()
+    model_type = _model_type(model)
+    proto = _prototype(model, cfg.max_kv_size)
+    flat = _flatten(proto)
+    slots = len(proto)
+    for s in cfg.skip_layers:
+        if s >= slots:
+            raise UnsupportedKVConfig(f"--kv-skip-layers names slot {s}, but the model has {slots} cache slots")
+
+    layers: list[LayerPlan] = []
+    notes: list[str] = []
+    for slot, member, c in flat:
+        kind = lookup(c)
+        where = f"cache slot {slot}" + (f" member {member}" if member is not None else "")
+        if kind is None:
+            raise UnsupportedKVConfig(
+                f"{where}: cache type {type(c).__module__}.{type(c).__name__} is not a declared "
+                f"cache kind of mlx-kvq, so it cannot be quantized (model {model_type}); "
+                "declare it in mlx_kvq/caches/registry.py or run without --kv-bits"
+            )
+        window = kind.window(c)
+        if kind.name == "full" and cfg.max_kv_size is not None:
+            window = cfg.max_kv_size
+        if kind.name == "sliding" and getattr(c, "keep", 0) and batch:
+            notes.append(f"{where}: sink tokens (keep={c.keep}) are not kept in batched windows")
+        skipped = slot in cfg.skip_layers
+        layers.append(LayerPlan(slot, kind.name, window, cfg.key_spec, cfg.value_spec, skipped=skipped, member=member))
+    if cfg.max_kv_size is not None and any(p.kind == "full" for p in layers):
+        notes.append(f"full-attention slots are bounded to the last {cfg.max_kv_size} tokens (--max-kv-size)")
+
+    # Shapes, from a lazy forward over mlx-lm's own caches.
+    try:
+        _probe(model, proto)
+    except Exception as e:  # the model itself does not run: nothing to do with KV
+        raise UnsupportedKVConfig(f"{model_type}: probe forward pass failed: {e!r}") from e
+    shaped = []
+    for p, (_, _, c) in zip(layers, flat):
+        if p.is_kv:
+            h, dk, dv = _slot_shapes(c)
+            p = _replace(p, kv_heads=h, key_dim=dk, value_dim=dv)
+            if p.quantized:
+                where = f"cache slot {p.slot} ({p.kind})"
+                p.key_spec.check_dim(dk, where)
+                p.value_spec.check_dim(dv, where)
+                if cfg.rotation == "hadamard":
+                    _check_rotation(dk, dv, where)
+        else:
+            p = _replace(p, state_bytes=int(c.nbytes) if not c.empty() else 0)
+        shaped.append(p)
+
+    plan = KVPlan(
+        model_type, cfg, shaped, num_model_layers=len(getattr(model, "layers", [])) or slots,
+        batch=batch, notes=notes, _model=model,
+    )  # fmt: skip
+    plan.shared_layers = max(0, plan.num_model_layers - slots) if _has_kv_sharing(model) else 0
+    plan.max_context = _max_context(model)
+    if cfg.enabled:
+        _check_hand_out(model, plan)
+    return plan
+
+
+def _replace(p: LayerPlan, **changes) -> LayerPlan:
+    from dataclasses import replace
+
+    return replace(p, **changes)
+
+
+def _check_rotation(dk: int, dv: int, where: str) -> None:
+    for d in (dk, dv):
+        try:
+            mx.eval(mx.hadamard_transform(mx.zeros((1, d))))
+        except Exception as e:
+            raise UnsupportedKVConfig(
+                f"{where}: Hadamard rotation needs a head dimension of the form m*2^k "
+                f"(m in 1, 12, 20, 28); got {d}. Use --kv-rotation none"
+            ) from e
+
+
+def _has_kv_sharing(model) -> bool:
+    args = getattr(model, "args", None)
+    for a in (args, getattr(args, "text_config", None)):
+        if a is None:
+            continue
+        n = a.get("num_kv_shared_layers", 0) if isinstance(a, dict) else getattr(a, "num_kv_shared_layers", 0)
+        if n:
+            return True
+    return False
+
+
+def _max_context(model) -> int | None:
+    args = getattr(model, "args", None)
+    for a in (args, getattr(args, "text_config", None)):
+        if a is None:
+            continue
+        n = a.get("max_position_embeddings") if isinstance(a, dict) else getattr(a, "max_position_embeddings", None)
+        if n:
+            return int(n)
+    return None
+
+
+def _check_hand_out(model, plan: KVPlan) -> None:
+    """Run the planned caches through the model lazily and make sure every
+    quantized slot reaches quantized attention; fall back to dequantized
+    hand-out for model code that needs arrays, and say so."""
+    declared = plan.model_type in DEQUANTIZED_MODELS
+    modes = [DEQUANTIZED] if declared else [PACKED, DEQUANTIZED]
+    errors = []
+    for mode in modes:
+        plan.layers = [_replace(p, hand_out=mode) if p.quantized else p for p in plan.layers]
+        caches = build_caches(model, plan)
+        try:
+            counts, _ = _probe(model, caches)
+        except Exception as e:
+            errors.append(f"{mode}: {type(e).__name__}: {e}")
+            continue
+        plan.sinks = counts["sinks"] > 0
+        if mode == PACKED:
+            missing = _slots_not_reaching_quantized_attention(plan, caches, counts)
+            if missing:
+                errors.append(f"{mode}: cache slots {missing} never reached quantized attention")
+                continue
+        else:
+            plan.notes.append(
+                f"{plan.model_type}: model code needs arrays, so quantized layers hand out "
+                "dequantized K/V (memory saved at rest; a transient full-precision copy per layer "
+                "exists during its attention)"
+            )
+        return
+    raise UnsupportedKVConfig(
+        f"{plan.model_type}: quantized caches do not run in this model's attention code "
+        f"({'; '.join(errors)}). Run without --kv-bits, or report the architecture."
+    )
+
+
+def _slots_not_reaching_quantized_attention(plan: KVPlan, caches: list, counts) -> list[int]:
+    seen = {key[1] for key in counts if isinstance(key, tuple) and key[0] == "cache" and key[2]}
+    missing = []
+    flat = _flatten(caches)
+    for p, (slot, _, c) in zip(plan.layers, flat):
+        if p.quantized and id(c) not in seen and not _reaches_via_owner(c, counts):
+            missing.append(slot)
+    return missing
+
+
+def _reaches_via_owner(c, counts) -> bool:
+    """Some models (gemma3n, llama4 global/chunk wrappers, CacheList members)
+    call attention with another object than the slot's cache; accept the slot
+    when every attention call took the quantized path."""
+    return counts["full_precision"] == 0 and counts["quantized"] > 0

@@ -1,0 +1,169 @@
+"""The one quantized-storage helper every cache uses.
+
+A `Store` is a key or value tensor laid out like mlx-lm's cache buffers,
+`(batch, heads, tokens, dim)`, held either raw (one array in the model's
+dtype) or quantized (packed uint32, float16 scales, float16 biases). Every
+structural operation a cache needs (slice, write a slot, append, roll, pad,
+take batch rows) indexes only the leading axes, so it applies unchanged to
+each part: the cache classes are written once and work in both forms.
+
+`QuantizedKV` is what a quantized cache hands to attention: the packed parts
+plus the numbers needed to use them (bits, group size, rotation).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .config import QuantSpec
+
+SCALE_DTYPE = mx.float16
+
+
+def rotate(x: mx.array) -> mx.array:
+    """Orthonormal Hadamard transform over the last axis (its own inverse)."""
+    return mx.hadamard_transform(x, scale=1.0 / math.sqrt(x.shape[-1]))
+
+
+@dataclass(frozen=True)
+class QuantizedKV:
+    """Packed keys or values as attention receives them."""
+
+    data: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+    rotated: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, packed = self.data.shape
+        return (*lead, packed * 32 // self.bits)
+
+    def map(self, fn: Callable[[mx.array], mx.array]) -> QuantizedKV:
+        return QuantizedKV(
+            fn(self.data), fn(self.scales), fn(self.biases), self.bits, self.group_size, self.rotated
+        )
+
+    def dequantize(self, dtype: mx.Dtype = mx.float16) -> mx.array:
+        """Full-precision copy in the original (unrotated) basis."""
+        x = mx.dequantize(
+            self.data, self.scales, self.biases, group_size=self.group_size, bits=self.bits
+        ).astype(dtype)
+        return rotate(x) if self.rotated else x
+
+
+class Store:
+    """A K or V buffer along the token axis (-2), raw or quantized."""
+
+    __slots__ = ("parts", "spec")
+
+    def __init__(self, parts: Sequence[mx.array], spec: QuantSpec):
+        self.parts = tuple(parts)
+        self.spec = spec
+
+    # -- construction -------------------------------------------------------
+    @classmethod
+    def encode(cls, x: mx.array, spec: QuantSpec) -> Store:
+        """Store `x` (B, H, N, D) under `spec` (raw when `spec.bits` is None)."""
+        if not spec.quantized:
+            return cls((x,), spec)
+        if spec.rotation == "hadamard":
+            x = rotate(x)
+        w, s, b = mx.quantize(x, group_size=spec.group_size, bits=spec.bits)
+        return cls((w, s.astype(SCALE_DTYPE), b.astype(SCALE_DTYPE)), spec)
+
+    def zeros(self, length: int, batch: int | None = None) -> Store:
+        """An all-zero store shaped like this one with `length` tokens."""
+        def z(a: mx.array) -> mx.array:
+            b = a.shape[0] if batch is None else batch
+            return mx.zeros((b, a.shape[1], length, a.shape[-1]), a.dtype)
+
+        return self.map(z)
+
+    @staticmethod
+    def concat(stores: Sequence[Store], axis: int = 2) -> Store:
+        first = stores[0]
+        parts = [mx.concatenate([s.parts[i] for s in stores], axis=axis) for i in range(len(first.parts))]
+        return Store(parts, first.spec)
+
+    # -- structure ----------------------------------------------------------
+    def map(self, fn: Callable[[mx.array], mx.array]) -> Store:
+        return Store([fn(a) for a in self.parts], self.spec)
+
+    def __getitem__(self, idx) -> Store:
+        return self.map(lambda a: a[idx])
+
+    def __setitem__(self, idx, other: Store) -> None:
+        for a, o in zip(self.parts, other.parts):
+            a[idx] = o
+
+    @property
+    def quantized(self) -> bool:
+        return len(self.parts) == 3
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Logical shape (B, H, tokens, dim)."""
+        a = self.parts[0]
+        dim = a.shape[-1] * 32 // self.spec.bits if self.quantized else a.shape[-1]
+        return (a.shape[0], a.shape[1], a.shape[2], dim)
+
+    @property
+    def length(self) -> int:
+        return self.parts[0].shape[2]
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.parts[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.parts)
+
+    # -- conversion ---------------------------------------------------------
+    def quantize(self, spec: QuantSpec) -> Store:
+        """Convert a raw store to `spec` (used when `quantized_kv_start` is reached)."""
+        if self.quantized or not spec.quantized:
+            return self
+        return Store.encode(self.parts[0], spec)
+
+    def fetch(self) -> mx.array | QuantizedKV:
+        """What attention receives: the raw array, or a `QuantizedKV`."""
+        if not self.quantized:
+            return self.parts[0]
+        spec = self.spec
+        return QuantizedKV(*self.parts, spec.bits, spec.group_size, spec.rotation == "hadamard")
+
+    def dequantize(self, dtype: mx.Dtype | None = None) -> mx.array:
+        """Full-precision array in the original basis."""
+        if not self.quantized:
+            return self.parts[0] if dtype is None else self.parts[0].astype(dtype)
+        return self.fetch().dequantize(dtype or mx.float16)
+
+    # -- serialization ------------------------------------------------------
+    def to_state(self) -> list:
+        """Three array slots (raw uses the first), for mlx-lm's prompt files."""
+        return list(self.parts) + [None] * (3 - len(self.parts))
+
+    @classmethod
+    def from_state(cls, parts: Sequence, spec: QuantSpec) -> Store | None:
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            spec = QuantSpec(None, spec.group_size)
+        return cls(parts, spec)
+
+
+def dynamic_roll(x: mx.array, shifts: mx.array, axis: int) -> mx.array:
+    """Roll each batch row of `x` along `axis` by its own shift."""
+    n = x.shape[axis]
+    expand_shifts = (...,) + (None,) * (x.ndim - axis)
+    idx = (mx.arange(n)[expand_shifts[:-1]] - shifts[expand_shifts]) % n
+    return mx.take_along_axis(x, idx, axis=axis)
