@@ -1,0 +1,74 @@
+"""`mlx-kvq plan` and `mlx-kvq generate` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mlx_kvq.cli import main
+
+
+def _gemma4_config(tmp_path):
+    # mlx-lm's gemma4_text defaults for the layer schedule (4 sliding : 1 full,
+    # KV-shared tail), with full-size heads: planning reads config.json only.
+    cfg = {"model_type": "gemma4_text", "num_hidden_layers": 35, "num_kv_shared_layers": 20,
+           "sliding_window": 512, "vocab_size": 262144}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_plan_gemma4_schedule_every_kv_layer_quantized(tmp_path, capsys):
+    path = _gemma4_config(tmp_path)
+    assert not list(path.glob("*.safetensors"))
+    assert main(["plan", "--model", str(path), "--kv-bits", "4", "--context", "32768", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    kv = [layer for layer in out["layers"] if layer["kind"] in ("full", "sliding")]
+    assert len(kv) == 15 and all(layer["quantized"] for layer in kv)
+    assert out["quantized_layers"] == out["kv_layers"] == 15
+    assert all(layer["window"] == 512 for layer in kv if layer["kind"] == "sliding")
+    assert out["shared_layers"] == 20
+    est = out["estimate"]
+    assert est["bytes"] <= 0.29 * est["fp16_bytes"]
+
+    assert main(["plan", "--model", str(path), "--kv-bits", "4"]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("gemma4_text: 15/15 KV layers quantized")
+    assert "sliding(512)" in table and "KV-shared" in table
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--kv-bits", "7"], "kv bits must be one of"),
+        (["--kv-bits", "4", "--kv-group-size", "48"], "group size must be one of"),
+        (["--kv-bits", "4", "--kv-skip-layers", "1"], "allow-partial-kv"),
+    ],
+)
+def test_bad_settings_exit_2_before_weights(tmp_path, flags, message):
+    path = _gemma4_config(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_kvq.cli", "plan", "--model", str(path), *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_generate_prints_plan_and_kv_bytes(tmp_path):
+    from mlx_kvq.testing.tiny import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "m", "gemma3_text")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_kvq.cli", "generate", "--model", str(path), "--prompt", "Hello",
+         "--kv-bits", "4", "--max-tokens", "12"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "KV layers quantized" in lines[0]
+    assert any(line.startswith("Generation: ") for line in lines)
+    held = [line for line in lines if line.startswith("KV bytes held: ")]
+    assert held and int(held[0].split()[3]) > 0
