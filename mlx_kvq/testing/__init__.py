@@ -1,0 +1,1 @@
+"""Testing helpers for mlx_kvq (tiny random-weight model catalogue, ...)."""
