@@ -1,0 +1,432 @@
+"""The serving engine: one thread that owns the model and decodes in batches.
+
+HTTP handlers call `submit()` and `cancel()` from any thread; the engine
+thread takes requests off a queue between steps, inserts them into mlx-lm's
+`BatchGenerator` with caches from the KV plan (quantized, full and
+sliding-window alike), steps the batch, and pushes token events back through
+each request's sink. Finished sequences leave their caches in the prompt
+cache; cancelled ones are removed from the batch at the next step, which
+releases their cache memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.sample_utils import greedy_sampler
+
+from mlx_kvq.config import KVConfig
+
+from .metrics import EngineMetrics
+from .prompt_cache import PromptCache
+from .requests import (
+    ErrorEvent,
+    EventSink,
+    FinishEvent,
+    GenerationRequest,
+    TokenEvent,
+    Usage,
+)
+from .sampling import SamplerPool, top_logprobs
+from .stops import StopMatcher
+from .warmup import (
+    KV_KINDS,
+    Readiness,
+    WarmupFailed,
+    verify_warmup,
+    warmup_spec,
+)
+
+log = logging.getLogger("mlx_kvq.engine")
+
+IDLE_POLL_S = 0.1  # how long the idle engine thread waits for work per poll
+WARMUP_TEXT = (
+    "The quick brown fox jumps over the lazy dog while the server warms up its "
+    "quantized caches, one token at a time. "
+)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Scheduling and cache settings (mlx-lm's server flag meanings)."""
+
+    decode_concurrency: int = 32
+    prompt_concurrency: int = 8
+    prefill_step_size: int = 2048
+    prompt_cache_size: int = 10
+    prompt_cache_bytes: int | None = None
+    max_context: int | None = None
+    warmup_gate: str | None = None  # warm-up waits until this file exists (tests)
+
+
+@dataclass
+class _Live:
+    """Engine-side state of one admitted request."""
+
+    request: GenerationRequest
+    sink: EventSink
+    detokenizer: Any
+    stopper: StopMatcher
+    cached: int = 0
+    completion_tokens: int = 0
+    uid: int | None = None
+    stop_hit: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine thread is not running (failed or stopped)."""
+
+
+class Engine:
+    """Continuous batching over a KV plan; see the module docstring."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        plan: Any,
+        kv_config: KVConfig,
+        options: EngineOptions | None = None,
+        *,
+        cache_report: Callable[[list], list[dict]] | None = None,
+        metrics: EngineMetrics | None = None,
+    ):
+        if cache_report is None:
+            from mlx_kvq.caches import cache_report
+        self.model = model
+        self.tokenizer = tokenizer
+        self.plan = plan
+        self.kv_config = kv_config
+        self.options = options or EngineOptions()
+        self.cache_report = cache_report
+        self.metrics = metrics or EngineMetrics()
+        self.readiness = Readiness()
+        self.prompt_cache = PromptCache(
+            self.options.prompt_cache_size, self.options.prompt_cache_bytes
+        )
+        self.max_context = self.options.max_context
+        self._inbox: queue.Queue = queue.Queue()
+        self._pending: deque[_Live] = deque()
+        self._live: dict[int, _Live] = {}  # by BatchGenerator uid
+        self._samplers = SamplerPool()
+        self._eos = StopSequences([(t,) for t in tokenizer.eos_token_ids])
+        self._kv_fraction = (0, 0)  # (quantized KV slots, KV slots) last seen
+        self._lock = threading.Lock()  # guards _closed against submit()
+        self._closed: str | None = None  # reason new requests are refused
+        self._thread = threading.Thread(target=self._run, name="mlx-kvq-engine", daemon=True)
+        self._bg: BatchGenerator | None = None
+        self._batch_size = 0  # sequences decoded together in the last step
+
+    # ------------------------------------------------------------ public API
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        self._inbox.put(("stop",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request: GenerationRequest, sink: EventSink) -> None:
+        """Queue a request; its events arrive through `sink` (on the engine thread)."""
+        with self._lock:
+            if self._closed is None:
+                self._inbox.put(("submit", request, sink))
+                return
+            reason = self._closed
+        sink(ErrorEvent(reason, 503, "engine_unavailable"))
+
+    def cancel(self, request_id: int) -> None:
+        """Drop a request (client gone); a no-op once it has finished."""
+        self._inbox.put(("cancel", request_id))
+
+    # ------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        try:
+            self._bg = BatchGenerator(
+                self.model,
+                completion_batch_size=self.options.decode_concurrency,
+                prefill_batch_size=self.options.prompt_concurrency,
+                prefill_step_size=self.options.prefill_step_size,
+            )
+            if not self._warmup():
+                return
+            while self._take_inbox(block=not (self._live or self._pending)):
+                self._admit()
+                if self._live:
+                    self._step()
+                self._publish()
+            self._shutdown("server is shutting down")
+        except Exception as e:  # the engine is dead: say why, everywhere
+            log.exception("engine thread failed")
+            self._shutdown(f"engine failed: {type(e).__name__}: {e}")
+
+    def _shutdown(self, reason: str) -> None:
+        """Refuse new work, fail everything in flight, and report `reason`."""
+        with self._lock:
+            self._closed = reason
+        if self.readiness.get().status != "failed":
+            self.readiness.set_failed(reason)
+        waiting = list(self._live.values()) + list(self._pending)
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] == "submit":
+                item[2](ErrorEvent(reason, 503, "engine_unavailable"))
+        for live in waiting:
+            live.sink(ErrorEvent(reason, 503, "engine_unavailable"))
+            self.metrics.count_request("error")
+        self._live.clear()
+        self._pending.clear()
+        self._bg = None
+        self._publish()
+
+    def _take_inbox(self, block: bool) -> bool:
+        """Move queued submissions and cancellations in; False when asked to stop."""
+        try:
+            item = self._inbox.get(timeout=IDLE_POLL_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        cancels = set()
+        while True:
+            if item[0] == "stop":
+                return False
+            if item[0] == "submit":
+                self._accept(item[1], item[2])
+            else:
+                cancels.add(item[1])
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        if cancels:
+            self._cancel(cancels)
+        return True
+
+    def _accept(self, req: GenerationRequest, sink: EventSink) -> None:
+        """Validate and queue a request for a batch slot."""
+        n = len(req.prompt)
+        if n == 0:
+            sink(ErrorEvent("the prompt is empty", 400, "empty_prompt"))
+            self.metrics.count_request("rejected")
+            return
+        if self.max_context is not None and n >= self.max_context:
+            sink(
+                ErrorEvent(
+                    f"the prompt has {n} tokens; this server's KV plan allows a context "
+                    f"of {self.max_context} tokens",
+                    400,
+                    "context_length_exceeded",
+                )
+            )
+            self.metrics.count_request("rejected")
+            return
+        self._pending.append(
+            _Live(req, sink, self.tokenizer.detokenizer, StopMatcher(req.params.stop))
+        )
+
+    def _cancel(self, ids: set[int]) -> None:
+        kept = deque(live for live in self._pending if live.request.id not in ids)
+        for _ in range(len(self._pending) - len(kept)):
+            self.metrics.count_request("cancelled")
+        self._pending = kept
+        uids = [uid for uid, live in self._live.items() if live.request.id in ids]
+        if uids:
+            self._bg.remove(uids)
+            for uid in uids:
+                live = self._live.pop(uid)
+                self.metrics.count_request("cancelled")
+                log.info(
+                    "request %d cancelled after %d tokens", live.request.id, live.completion_tokens
+                )
+
+    def _admit(self) -> None:
+        """Insert queued requests into the batch while decode slots are free."""
+        while self._pending and len(self._live) < self.options.decode_concurrency:
+            live = self._pending.popleft()
+            prompt = live.request.prompt
+            cache, cached = self.prompt_cache.fetch(prompt)
+            if cache is None:
+                cache, cached = self.plan.make_cache(), 0
+            live.cached = cached
+            self.metrics.record_cached_tokens(cached)
+            max_tokens = live.request.params.max_tokens
+            if self.max_context is not None:
+                max_tokens = min(max_tokens, self.max_context - len(prompt))
+            (uid,) = self._bg.insert(
+                [prompt[cached:]],
+                max_tokens=[max_tokens],
+                caches=[cache],
+                all_tokens=[prompt[:cached]],
+                samplers=[self._samplers.get(live.request.params)],
+                stop_sequences=[self._eos],
+            )
+            live.uid = uid
+            self._live[uid] = live
+        self._trim_prompt_cache()
+
+    def _step(self) -> None:
+        with self._bg.stats() as stats:
+            _, responses = self._bg.next()
+        self.metrics.record_step(
+            stats.prompt_tokens, stats.prompt_time, stats.generation_tokens, stats.decode_time
+        )
+        self._batch_size = len(responses)
+        stopped = []
+        for r in responses:
+            live = self._live.get(r.uid)
+            if live is None:
+                continue
+            if self._on_token(live, r):
+                if r.finish_reason is not None:
+                    self._finish(r.uid, r.finish_reason, r.prompt_cache, r.all_tokens)
+                else:
+                    stopped.append(r.uid)
+        if stopped:  # stop strings: take them out of the batch, keep their caches
+            for uid, (cache, tokens) in self._bg.remove(stopped, return_prompt_caches=True).items():
+                self._finish(uid, "stop", cache, tokens)
+
+    def _on_token(self, live: _Live, r: Any) -> bool:
+        """Emit one token's event; True when the sequence is done."""
+        live.completion_tokens += 1
+        eos = r.finish_reason == "stop"  # the only stop sequences given are EOS ids
+        final = r.finish_reason is not None
+        if not eos:
+            live.detokenizer.add_token(r.token)
+        if final:
+            live.detokenizer.finalize()
+        text, hit = live.stopper.feed(live.detokenizer.last_segment, final=final)
+        p = live.request.params
+        logprob, top = None, ()
+        if p.logprobs:
+            logprob = r.logprobs[r.token].item()
+            top = top_logprobs(r.logprobs, p.top_logprobs)
+        live.sink(TokenEvent(r.token, text, logprob, top, eos))
+        live.stop_hit = live.stop_hit or hit
+        return final or hit
+
+    def _finish(self, uid: int, reason: str, cache: list | None, tokens: list[int] | None) -> None:
+        live = self._live.pop(uid)
+        if live.stop_hit:
+            reason = "stop"
+        if cache is not None and tokens:
+            self.prompt_cache.insert(list(tokens), cache, self._cache_budget())
+        usage = Usage(len(live.request.prompt), live.completion_tokens, live.cached)
+        live.sink(FinishEvent(reason, usage))
+        self.metrics.count_request("ok")
+        log.info(
+            "request %d: %d prompt tokens (%d cached), %d generated, %s, %.2fs",
+            live.request.id, usage.prompt_tokens, usage.cached_tokens,
+            usage.completion_tokens, reason, time.monotonic() - live.started,
+        )  # fmt: skip
+
+    # ------------------------------------------------------- memory and metrics
+    def _batch_caches(self) -> list:
+        """The batch's per-layer caches (mlx-lm keeps no public accessor)."""
+        bg = self._bg
+        if bg is None:
+            return []
+        return list(bg._prompt_batch.prompt_cache) + list(bg._generation_batch.prompt_cache)
+
+    def _cache_budget(self) -> int | None:
+        """Prompt-cache byte cap left once live sequences are counted (mlx-lm's rule)."""
+        if self.options.prompt_cache_bytes is None or self._bg is None:
+            return None
+        return self.options.prompt_cache_bytes - self._bg.prompt_cache_nbytes
+
+    def _trim_prompt_cache(self) -> None:
+        budget = self._cache_budget()
+        if budget is not None:
+            self.prompt_cache.trim_to(budget)
+
+    def _publish(self) -> None:
+        report = self.cache_report(self._batch_caches()) if self._live else []
+        by_kind: dict[str, int] = {}
+        kv = quantized = 0
+        for slot in report:
+            by_kind[slot["kind"]] = by_kind.get(slot["kind"], 0) + int(slot["nbytes"])
+            if slot["kind"] in KV_KINDS:
+                kv += 1
+                quantized += int(bool(slot["quantized"]))
+        if kv:
+            self._kv_fraction = (quantized, kv)
+        self.metrics.set_state(
+            queue_depth=len(self._pending) + self._inbox.qsize(),
+            batch_size=self._batch_size if self._live else 0,
+            kv_bytes_by_kind=by_kind,
+            kv_layers=self._kv_fraction[1],
+            kv_layers_quantized=self._kv_fraction[0],
+            prompt_cache=self.prompt_cache.stats(),
+        )
+
+    # ------------------------------------------------------------ warm-up
+    def _warmup(self) -> bool:
+        """Run the readiness warm-up; False if the engine must not serve."""
+        gate = self.options.warmup_gate
+        while gate and not os.path.exists(gate):
+            try:
+                if self._inbox.get(timeout=0.05)[0] == "stop":
+                    self._shutdown("server is shutting down")
+                    return False
+            except queue.Empty:
+                pass
+        t0 = time.monotonic()
+        spec = warmup_spec(getattr(self.plan, "max_window", None), self.kv_config, self.max_context)
+        filler = list(self.tokenizer.encode(WARMUP_TEXT)) or [0]
+        prompts = [(filler * (n // len(filler) + 1))[:n] for n in spec.prompt_lengths]
+        uids = self._bg.insert(
+            prompts,
+            max_tokens=[spec.max_tokens] * len(prompts),
+            caches=[self.plan.make_cache() for _ in prompts],
+            samplers=[greedy_sampler] * len(prompts),
+            stop_sequences=[StopSequences()] * len(prompts),  # no EOS: run every step
+        )
+        batch_report: list[dict] = []
+        finished: dict[int, tuple[list, int]] = {}
+        while len(finished) < len(uids):
+            _, responses = self._bg.next()
+            caches = self._batch_caches()
+            if caches:
+                batch_report = self.cache_report(caches)
+            for r in responses:
+                if r.finish_reason is not None:
+                    finished[r.uid] = (r.prompt_cache, len(r.all_tokens))
+        longest_cache, longest = max(finished.values(), key=lambda x: x[1])
+        try:
+            report = verify_warmup(
+                self.kv_config,
+                set(getattr(self.plan, "kinds", ()) or ()),
+                batch_report,
+                self.cache_report(longest_cache),
+                longest,
+                spec,
+            )
+        except WarmupFailed as e:
+            log.error("%s", e)
+            self._shutdown(str(e))
+            return False
+        del finished, longest_cache
+        mx.clear_cache()
+        report["seconds"] = round(time.monotonic() - t0, 3)
+        kv = [s for s in batch_report if s["kind"] in KV_KINDS]
+        self._kv_fraction = (sum(bool(s["quantized"]) for s in kv), len(kv))
+        self.readiness.set_ready(report)
+        self._publish()
+        log.info("warm-up done in %.2fs: %s", report["seconds"], report["batch"])
+        return True

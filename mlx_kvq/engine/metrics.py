@@ -1,0 +1,146 @@
+"""Engine counters and gauges, kept as plain numbers.
+
+The engine thread writes them after every step; the HTTP layer reads a
+consistent `snapshot()` and renders it (Prometheus, /health). Nothing here
+knows about HTTP or Prometheus.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from .prompt_cache import PromptCacheStats
+
+RATE_WINDOW_S = 10.0  # tokens-per-second gauges average over this many seconds
+
+
+@dataclass
+class MetricsSnapshot:
+    requests: dict[str, int]
+    queue_depth: int
+    batch_size: int
+    max_batch_size: int
+    kv_bytes_by_kind: dict[str, int]
+    kv_layers: int
+    kv_layers_quantized: int
+    prompt_cache_bytes: int
+    prompt_cache_entries: int
+    prompt_cache_max_bytes: int | None
+    prompt_cache_max_entries: int
+    prompt_cache_hits: int
+    prompt_cache_misses: int
+    prompt_cache_evictions: int
+    prompt_tokens: int
+    generation_tokens: int
+    cached_prompt_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    steps: int
+
+    @property
+    def kv_quantized_fraction(self) -> float:
+        return self.kv_layers_quantized / self.kv_layers if self.kv_layers else 0.0
+
+
+@dataclass
+class EngineMetrics:
+    """Thread-safe store of the engine's numbers."""
+
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    requests: Counter = field(default_factory=Counter)
+    queue_depth: int = 0
+    batch_size: int = 0
+    max_batch_size: int = 0
+    kv_bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    kv_layers: int = 0
+    kv_layers_quantized: int = 0
+    prompt_cache: PromptCacheStats = field(
+        default_factory=lambda: PromptCacheStats(0, 0, 0, None, 0, 0, 0, 0)
+    )
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    steps: int = 0
+    # (time, prompt tokens, prompt seconds, generated tokens, decode seconds)
+    _recent: deque = field(default_factory=deque)
+
+    def count_request(self, status: str) -> None:
+        """Count one finished request by status (ok, cancelled, error, rejected)."""
+        with self._lock:
+            self.requests[status] += 1
+
+    def record_step(
+        self, prompt_tokens: int, prompt_time: float, gen_tokens: int, decode_time: float
+    ) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.steps += 1
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += gen_tokens
+            self._recent.append((now, prompt_tokens, prompt_time, gen_tokens, decode_time))
+            self._expire(now)
+
+    def record_cached_tokens(self, n: int) -> None:
+        with self._lock:
+            self.cached_prompt_tokens += n
+
+    def set_state(
+        self,
+        *,
+        queue_depth: int,
+        batch_size: int,
+        kv_bytes_by_kind: dict[str, int],
+        kv_layers: int,
+        kv_layers_quantized: int,
+        prompt_cache: PromptCacheStats,
+    ) -> None:
+        with self._lock:
+            self.queue_depth = queue_depth
+            self.batch_size = batch_size
+            self.max_batch_size = max(self.max_batch_size, batch_size)
+            self.kv_bytes_by_kind = dict(kv_bytes_by_kind)
+            self.kv_layers = kv_layers
+            self.kv_layers_quantized = kv_layers_quantized
+            self.prompt_cache = prompt_cache
+
+    def _expire(self, now: float) -> None:
+        while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
+            self._recent.popleft()
+
+    def _rates(self) -> tuple[float, float]:
+        self._expire(time.monotonic())
+        p = sum(r[1] for r in self._recent)
+        pt = sum(r[2] for r in self._recent)
+        g = sum(r[3] for r in self._recent)
+        gt = sum(r[4] for r in self._recent)
+        return (p / pt if pt > 0 else 0.0), (g / gt if gt > 0 else 0.0)
+
+    def snapshot(self) -> MetricsSnapshot:
+        with self._lock:
+            ptps, gtps = self._rates()
+            pc = self.prompt_cache
+            return MetricsSnapshot(
+                requests=dict(self.requests),
+                queue_depth=self.queue_depth,
+                batch_size=self.batch_size,
+                max_batch_size=self.max_batch_size,
+                kv_bytes_by_kind=dict(self.kv_bytes_by_kind),
+                kv_layers=self.kv_layers,
+                kv_layers_quantized=self.kv_layers_quantized,
+                prompt_cache_bytes=pc.nbytes,
+                prompt_cache_entries=pc.entries,
+                prompt_cache_max_bytes=pc.max_bytes,
+                prompt_cache_max_entries=pc.max_entries,
+                prompt_cache_hits=pc.hits,
+                prompt_cache_misses=pc.misses,
+                prompt_cache_evictions=pc.evictions,
+                prompt_tokens=self.prompt_tokens,
+                generation_tokens=self.generation_tokens,
+                cached_prompt_tokens=self.cached_prompt_tokens,
+                prompt_tps=ptps,
+                generation_tps=gtps,
+                steps=self.steps,
+            )

@@ -1,0 +1,165 @@
+"""A prompt cache bounded by entry count and by bytes actually held.
+
+Finished sequences leave their (quantized) KV caches here, keyed by the
+tokens the cache covers. A new request reuses the entry sharing the longest
+prefix with its prompt: directly when the entry is a prefix of the prompt,
+or trimmed back when the prompt diverges inside the entry (only caches that
+can trim, e.g. a window that has not wrapped yet).
+
+Both caps are checked on the one insert path and whenever the byte budget
+shrinks, and bytes are the caches' own `nbytes`, measured on insert.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+
+def cache_nbytes(cache: list[Any]) -> int:
+    """Bytes the per-layer caches of one sequence hold."""
+    return sum(int(c.nbytes) for c in cache)
+
+
+def common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class _Entry:
+    cache: list[Any]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PromptCacheStats:
+    entries: int
+    nbytes: int
+    max_entries: int
+    max_bytes: int | None
+    hits: int
+    misses: int
+    evictions: int
+    rejected: int
+
+
+class PromptCache:
+    """LRU of per-sequence caches keyed by token tuples.
+
+    `max_entries == 0` disables caching. `max_bytes=None` means no byte cap.
+    Only the engine thread mutates it; the lock makes `stats()` consistent
+    when read from the HTTP thread.
+    """
+
+    def __init__(self, max_entries: int = 10, max_bytes: int | None = None):
+        self.max_entries = max(0, max_entries)
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._nbytes = 0
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._evictions = self._rejected = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def stats(self) -> PromptCacheStats:
+        with self._lock:
+            return PromptCacheStats(
+                len(self._entries), self._nbytes, self.max_entries, self.max_bytes,
+                self._hits, self._misses, self._evictions, self._rejected,
+            )  # fmt: skip
+
+    def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
+        """A private copy of the best cache for `tokens` and how many tokens it covers.
+
+        At least one prompt token is always left uncovered: the model must
+        see the last prompt token to produce the first new one.
+        """
+        with self._lock:
+            best_key, best_len, best_trim = None, 0, 0
+            for key, entry in self._entries.items():
+                shared = common_prefix(key, tokens)
+                if shared == len(key) and shared < len(tokens):
+                    use, trim = shared, 0
+                elif can_trim_prompt_cache(entry.cache):
+                    use = min(shared, len(tokens) - 1)
+                    trim = len(key) - use
+                else:
+                    continue
+                if use > best_len:
+                    best_key, best_len, best_trim = key, use, trim
+            if best_key is None:
+                self._misses += 1
+                return None, 0
+            self._entries.move_to_end(best_key)
+            cache = copy.deepcopy(self._entries[best_key].cache)
+        if best_trim and trim_prompt_cache(cache, best_trim) != best_trim:
+            with self._lock:
+                self._misses += 1
+            return None, 0
+        with self._lock:
+            self._hits += 1
+        return cache, best_len
+
+    def insert(self, tokens: list[int], cache: list[Any], budget: int | None = None) -> bool:
+        """Store `cache` (covering `tokens`); False if it alone exceeds the byte cap.
+
+        `budget` further lowers the byte cap for this call (bytes live
+        sequences already hold), as mlx-lm's server does.
+        """
+        if self.max_entries == 0 or not tokens:
+            return False
+        key = tuple(tokens)
+        nbytes = cache_nbytes(cache)
+        cap = self._cap(budget)
+        with self._lock:
+            if cap is not None and nbytes > cap:
+                self._rejected += 1
+                self._evict(cap)
+                return False
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._nbytes -= old.nbytes
+            if can_trim_prompt_cache(cache):
+                # A trimmable longer cache serves every prefix: drop those.
+                for k in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
+                    self._nbytes -= self._entries.pop(k).nbytes
+            self._entries[key] = _Entry(cache, nbytes)
+            self._nbytes += nbytes
+            self._evict(cap)
+        return True
+
+    def trim_to(self, budget: int | None) -> None:
+        """Evict until within the caps, with the byte cap lowered to `budget`."""
+        with self._lock:
+            self._evict(self._cap(budget))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._nbytes = 0
+
+    def _cap(self, budget: int | None) -> int | None:
+        caps = [c for c in (self.max_bytes, budget) if c is not None]
+        return max(0, min(caps)) if caps else None
+
+    def _evict(self, cap: int | None) -> None:
+        while self._entries and (
+            len(self._entries) > self.max_entries or (cap is not None and self._nbytes > cap)
+        ):
+            _, entry = self._entries.popitem(last=False)
+            self._nbytes -= entry.nbytes
+            self._evictions += 1

@@ -1,0 +1,162 @@
+"""Readiness: a warm-up that proves the quantized batch path works.
+
+Before `/health` says ready, the engine runs a small batch through exactly
+the path requests take (plan caches, mlx-lm's `BatchGenerator`, extraction
+for the prompt cache) for long enough to pass `--quantized-kv-start` and
+every sliding window, then checks with `cache_report` that every KV cache
+kind of the model ended up quantized. The report it leaves is what
+`/health` shows.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_kvq.config import KVConfig, UnsupportedKVConfig
+from mlx_kvq.plan import KV_KINDS
+
+WARMUP_BATCH = 2  # two sequences of different lengths: exercises padding and merge
+WARMUP_DECODE = 4  # decode steps after the prompt: exercises in-place window writes
+WARMUP_MARGIN = 8  # tokens beyond the furthest threshold
+
+
+class WarmupFailed(RuntimeError):
+    """The warm-up ran but did not show the configured KV layout."""
+
+
+@dataclass(frozen=True)
+class ReadinessState:
+    status: str  # "warming_up", "ready" or "failed"
+    reason: str | None = None
+    report: dict[str, Any] | None = None
+
+
+class Readiness:
+    """Thread-safe readiness flag with the reason for the current state."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = ReadinessState("warming_up")
+        self.ready_event = threading.Event()
+
+    def get(self) -> ReadinessState:
+        with self._lock:
+            return self._state
+
+    @property
+    def ready(self) -> bool:
+        return self.get().status == "ready"
+
+    def set_ready(self, report: dict[str, Any]) -> None:
+        with self._lock:
+            self._state = ReadinessState("ready", None, report)
+        self.ready_event.set()
+
+    def set_failed(self, reason: str) -> None:
+        with self._lock:
+            self._state = ReadinessState("failed", reason, self._state.report)
+        self.ready_event.set()
+
+
+@dataclass(frozen=True)
+class WarmupSpec:
+    prompt_lengths: tuple[int, ...]
+    max_tokens: int
+    must_exceed: int  # tokens a sequence must pass: window and quantized start
+
+
+def warmup_spec(max_window: int | None, kv: KVConfig, max_context: int | None) -> WarmupSpec:
+    """Prompt lengths that carry every sequence past all thresholds."""
+    must_exceed = max(max_window or 0, kv.quantized_start)
+    longest = must_exceed + WARMUP_MARGIN
+    lengths = tuple(longest - 3 * i for i in range(WARMUP_BATCH))
+    if max_context is not None and longest + WARMUP_DECODE > max_context:
+        raise UnsupportedKVConfig(
+            f"the warm-up needs {longest + WARMUP_DECODE} tokens (past the sliding window "
+            f"and --quantized-kv-start {kv.quantized_start}) but the plan allows a context "
+            f"of {max_context}; lower --quantized-kv-start or raise --max-kv-size"
+        )
+    return WarmupSpec(lengths, WARMUP_DECODE, must_exceed)
+
+
+def summarize(report: list[dict]) -> dict[str, dict[str, Any]]:
+    """Fold a per-slot `cache_report` into one line per cache kind."""
+    kinds: dict[str, dict[str, Any]] = {}
+    for slot in report:
+        k = kinds.setdefault(
+            slot["kind"], {"slots": 0, "quantized": 0, "max_tokens": 0, "nbytes": 0}
+        )
+        k["slots"] += 1
+        k["quantized"] += int(bool(slot.get("quantized")))
+        k["max_tokens"] = max(k["max_tokens"], int(slot.get("tokens", 0)))
+        k["nbytes"] += int(slot.get("nbytes", 0))
+    return kinds
+
+
+def verify_warmup(
+    kv: KVConfig,
+    plan_kinds: set[str],
+    batch_report: list[dict],
+    extracted_report: list[dict],
+    sequence_tokens: int,
+    spec: WarmupSpec,
+) -> dict[str, Any]:
+    """Check the warm-up reports; return the readiness report or raise WarmupFailed."""
+    batch, extracted = summarize(batch_report), summarize(extracted_report)
+    problems = []
+    if sequence_tokens <= spec.must_exceed:
+        problems.append(f"sequence reached {sequence_tokens} tokens, needs > {spec.must_exceed}")
+    missing = (set(plan_kinds) & set(KV_KINDS)) - set(batch)
+    if missing:
+        problems.append(f"cache kinds {sorted(missing)} never appeared in the batch")
+    if kv.enabled and not kv.allow_partial:
+        for where, kinds in (("batch", batch), ("extracted", extracted)):
+            for kind, s in kinds.items():
+                if kind in KV_KINDS and s["quantized"] < s["slots"]:
+                    problems.append(
+                        f"{s['slots'] - s['quantized']} of {s['slots']} {kind} caches "
+                        f"were not quantized ({where})"
+                    )
+    if problems:
+        raise WarmupFailed(
+            "warm-up did not exercise the configured KV layout: " + "; ".join(problems)
+        )
+    return {
+        "sequence_tokens": sequence_tokens,
+        "batch_size": len(spec.prompt_lengths),
+        "batch": batch,
+        "extracted": extracted,
+    }
+
+
+def check_batch_path(make_cache, report_fn, kv: KVConfig) -> None:
+    """Refuse, before serving, a plan whose caches cannot honour the settings in a batch.
+
+    Every cache must have a batch form (`merge`), and when
+    `--quantized-kv-start` is above 0 the batch form of every KV cache must
+    carry that start (it converts to quantized storage itself). A setting
+    that would be ignored in the batch path is an error, never a silent
+    fallback.
+    """
+    a, b = make_cache(), make_cache()
+    for i, (ca, cb) in enumerate(zip(a, b, strict=True)):
+        kinds = [slot["kind"] for slot in report_fn([ca])]
+        what = f"cache slot {i} ({'/'.join(kinds)}, {type(ca).__name__})"
+        merge = getattr(type(ca), "merge", None)
+        if merge is None:
+            raise UnsupportedKVConfig(
+                f"{what} has no batch form, so it cannot be served with continuous batching"
+            )
+        batch = merge([ca, cb])
+        if kv.quantized_start <= 0:
+            continue
+        members = getattr(batch, "caches", None) or [batch]
+        for kind, member in zip(kinds, members, strict=False):
+            if kind in KV_KINDS and getattr(member, "start", None) != kv.quantized_start:
+                raise UnsupportedKVConfig(
+                    f"--quantized-kv-start {kv.quantized_start} cannot be honoured in the "
+                    f"batch path: the batch form of {what} ({type(member).__name__}) does "
+                    "not convert at a start position; use --quantized-kv-start 0"
+                )

@@ -1,0 +1,115 @@
+"""`/metrics`: the engine's numbers in Prometheus text format.
+
+A custom collector reads one engine snapshot per scrape into a registry
+owned by the app (never prometheus-client's global registry), so several
+apps in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import mlx.core as mx
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from mlx_kvq.engine import Engine
+
+P = "mlx_kvq_"
+REQUEST_STATUSES = ("ok", "cancelled", "error", "rejected")
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine: Engine, kinds: set[str] | None = None):
+        self.engine = engine
+        self.kinds = set(kinds or ())  # always exported, as 0 when idle
+
+    def collect(self) -> Iterator:
+        s = self.engine.metrics.snapshot()
+        ready = GaugeMetricFamily(P + "ready", "1 once the warm-up passed and the engine runs")
+        ready.add_metric([], float(self.engine.readiness.ready and self.engine.alive))
+        yield ready
+
+        kv = GaugeMetricFamily(
+            P + "kv_bytes", "KV cache bytes held by live sequences, by cache kind", labels=["kind"]
+        )
+        for kind in sorted(self.kinds | set(s.kv_bytes_by_kind)):
+            kv.add_metric([kind], float(s.kv_bytes_by_kind.get(kind, 0)))
+        yield kv
+        yield _gauge(
+            "kv_bytes_live",
+            "KV cache bytes held by live sequences, all kinds",
+            sum(s.kv_bytes_by_kind.values()),
+        )
+        yield _gauge(
+            "kv_layers_quantized_fraction",
+            "Fraction of KV cache layers stored quantized",
+            s.kv_quantized_fraction,
+        )
+
+        yield _gauge("prompt_cache_bytes", "Bytes held by the prompt cache", s.prompt_cache_bytes)
+        yield _gauge("prompt_cache_entries", "Entries in the prompt cache", s.prompt_cache_entries)
+        yield _gauge(
+            "prompt_cache_max_entries", "Prompt cache entry cap", s.prompt_cache_max_entries
+        )
+        if s.prompt_cache_max_bytes is not None:
+            yield _gauge(
+                "prompt_cache_max_bytes", "Prompt cache byte cap", s.prompt_cache_max_bytes
+            )
+        yield _counter(
+            "prompt_cache_hits", "Requests that reused a cached prefix", s.prompt_cache_hits
+        )
+        yield _counter(
+            "prompt_cache_misses", "Requests that found no cached prefix", s.prompt_cache_misses
+        )
+        yield _counter(
+            "prompt_cache_evictions", "Prompt cache entries evicted", s.prompt_cache_evictions
+        )
+        yield _counter(
+            "prompt_cache_tokens",
+            "Prompt tokens served from the prompt cache",
+            s.cached_prompt_tokens,
+        )
+
+        req = CounterMetricFamily(P + "requests", "Requests by final status", labels=["status"])
+        for status in sorted(set(REQUEST_STATUSES) | set(s.requests)):
+            req.add_metric([status], float(s.requests.get(status, 0)))
+        yield req
+
+        yield _gauge("queue_depth", "Requests waiting for a batch slot", s.queue_depth)
+        yield _gauge("batch_size", "Sequences decoded together in the last step", s.batch_size)
+        yield _gauge("batch_size_max", "Largest batch decoded together so far", s.max_batch_size)
+        yield _gauge(
+            "prompt_tokens_per_second", "Prompt processing rate, recent window", s.prompt_tps
+        )
+        yield _gauge(
+            "generation_tokens_per_second", "Generation rate, recent window", s.generation_tps
+        )
+        yield _counter("prompt_tokens", "Prompt tokens processed", s.prompt_tokens)
+        yield _counter("generation_tokens", "Tokens generated", s.generation_tokens)
+        yield _counter("steps", "Batch steps taken", s.steps)
+        yield _gauge(
+            "mlx_active_memory_bytes", "MLX active memory of this process", mx.get_active_memory()
+        )
+        yield _gauge(
+            "mlx_peak_memory_bytes", "MLX peak memory of this process", mx.get_peak_memory()
+        )
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(P + name, doc)
+    g.add_metric([], float(value))
+    return g
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(P + name, doc)
+    c.add_metric([], float(value))
+    return c
+
+
+def make_registry(engine: Engine, kinds: set[str] | None = None) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine, kinds))
+    return registry

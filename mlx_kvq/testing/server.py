@@ -1,0 +1,151 @@
+"""Run `mlx-kvq serve` as a real subprocess on a free loopback port, for tests.
+
+Tests talk to it with the official `openai` client and plain HTTP; nothing
+here asserts timings: waits are bounded only so that a broken server fails
+the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+import mlx_kvq
+
+REPO_ROOT = Path(mlx_kvq.__file__).resolve().parent.parent
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text to {'name{label="v"}': value} (labels sorted as exported)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+class ServerProcess:
+    """`python -m mlx_kvq.cli serve --model DIR ...` on 127.0.0.1:<free port>."""
+
+    def __init__(
+        self,
+        model: str | Path | None,
+        *args: str,
+        env: dict[str, str] | None = None,
+        api_key: str | None = None,
+    ):
+        self.model = model
+        self.args = list(args)
+        self.api_key = api_key
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.extra_env = env or {}
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="mlx-kvq-serve-", suffix=".log")
+
+    # -- lifecycle -------------------------------------------------------------
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "mlx_kvq.cli", "serve"]
+        if self.model is not None:
+            cmd += ["--model", str(self.model)]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        return cmd + self.args
+
+    def start(self) -> ServerProcess:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p
+        )
+        env.update(self.extra_env)
+        self.proc = subprocess.Popen(
+            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
+        )
+        return self
+
+    def run_to_exit(self, timeout: float = STARTUP_TIMEOUT_S) -> int:
+        """Start and wait for the process to exit by itself; returns its exit code."""
+        self.start()
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+        self._log.close()
+
+    def log(self) -> str:
+        self._log.flush()
+        return Path(self._log.name).read_text(errors="replace")
+
+    # -- waiting -----------------------------------------------------------------
+    def wait_for(self, path: str, status: int = 200, timeout: float = STARTUP_TIMEOUT_S):
+        """Poll GET `path` until it answers `status`; fail if the process dies."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} before {path} answered "
+                    f"{status}:\n{self.log()[-4000:]}"
+                )
+            try:
+                r = httpx.get(self.url + path, timeout=5)
+                last = r
+                if r.status_code == status:
+                    return r
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"{path} never answered {status} (last: {last}):\n{self.log()[-4000:]}")
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> httpx.Response:
+        return self.wait_for("/health", 200, timeout)
+
+    # -- talking -------------------------------------------------------------------
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kwargs: Any):
+        import openai
+
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 120)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        r = httpx.get(self.url + "/metrics", timeout=10)
+        r.raise_for_status()
+        return parse_metrics(r.text)
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.url + "/health", timeout=10)
