@@ -72,6 +72,16 @@ def test_sliding_windows_wrap_inside_the_prompt():
         assert "KVCache[" in layout.replace("RotatingKVCache", "") or "ArraysCache" in layout, name
 
 
+def test_cached_head_dims_are_multiples_of_64():
+    """KV quantization with group size 64 must divide every cached key / value dim
+    (zero-width values: minimax_m3_vl's indexer cache stores keys only)."""
+    for name, layout in archs.CACHE_LAYOUT.items():
+        for dims in _between(layout, "[", "]"):
+            heads, kv = dims.split("x")
+            k, v = (int(d) for d in kv.split("/"))
+            assert int(heads) >= 1 and k % 64 == 0 and v % 64 == 0, (name, dims)
+
+
 def test_build_model_casts_dtype():
     model = archs.build_model("llama", dtype=mx.bfloat16)
     assert model.model.embed_tokens.weight.dtype == mx.bfloat16
