@@ -283,10 +283,11 @@ class Engine:
 
     def _step(self) -> None:
         with self._bg.stats() as stats:
-            _, responses = self._bg.next()
+            prompt_responses, responses = self._bg.next()
         self.metrics.record_step(
             stats.prompt_tokens, stats.prompt_time, stats.generation_tokens, stats.decode_time
         )
+        self._snapshot_prompts(prompt_responses)
         self._batch_size = len(responses)
         stopped = []
         for r in responses:
@@ -301,6 +302,21 @@ class Engine:
         if stopped:  # stop strings: take them out of the batch, keep their caches
             for uid, (cache, tokens) in self._bg.remove(stopped, return_prompt_caches=True).items():
                 self._finish(uid, "stop", cache, tokens)
+
+    def _snapshot_prompts(self, prompt_responses: list) -> None:
+        """Cache each prompt as soon as it is processed (all but its last token).
+
+        The next turn of a conversation starts with this prompt, so this entry
+        is an exact prefix of it: reusable even by caches that cannot trim
+        (sliding windows that have wrapped), as in mlx-lm's segment caching.
+        """
+        if self.prompt_cache.max_entries == 0:
+            return
+        done = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt]
+        done = [uid for uid in done if uid in self._live]
+        if done:
+            for cache, tokens in self._bg.extract_cache(done).values():
+                self.prompt_cache.insert(list(tokens), cache, self._cache_budget())
 
     def _on_token(self, live: _Live, r: Any) -> bool:
         """Emit one token's event; True when the sequence is done."""

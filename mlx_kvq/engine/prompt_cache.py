@@ -18,12 +18,29 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 
 def cache_nbytes(cache: list[Any]) -> int:
     """Bytes the per-layer caches of one sequence hold."""
     return sum(int(c.nbytes) for c in cache)
+
+
+def own_copy(cache: list[Any]) -> None:
+    """Give each cache compact arrays of its own, in place.
+
+    A cache extracted from a batch may hold slices that keep the whole batch
+    buffer alive while reporting only the slice's bytes; copying through the
+    cache's `state` makes `nbytes` the memory really held.
+    """
+    for c in cache:
+        try:
+            c.state = tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, c.state)
+        except AttributeError:  # a cache without a state setter keeps its arrays
+            continue
+    mx.eval([c.state for c in cache])
 
 
 def common_prefix(a: tuple[int, ...], b: list[int]) -> int:
@@ -123,6 +140,7 @@ class PromptCache:
         if self.max_entries == 0 or not tokens:
             return False
         key = tuple(tokens)
+        own_copy(cache)
         nbytes = cache_nbytes(cache)
         cap = self._cap(budget)
         with self._lock:

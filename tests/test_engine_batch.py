@@ -1,0 +1,227 @@
+"""The engine in-process on a tiny hybrid model (sliding + full layers, quantized).
+
+Covers batching of concurrent requests, cancellation releasing cache memory,
+stop strings, prompt-cache reuse of a conversation, seeded sampling, and an
+engine failure turning /health to 503 with the reason.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from mlx_kvq.config import KVConfig
+from mlx_kvq.engine import (
+    Engine,
+    EngineOptions,
+    ErrorEvent,
+    FinishEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from mlx_kvq.plan import plan_kv
+from mlx_kvq.testing.tiny import save_tiny_model
+
+WAIT_S = 120  # upper bound for waits, so a broken engine fails instead of hanging
+
+
+class Collector:
+    """A sink that records events and signals the end."""
+
+    def __init__(self):
+        self.events = []
+        self.done = threading.Event()
+        self.first_token = threading.Event()
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if isinstance(ev, TokenEvent):
+            self.first_token.set()
+        else:
+            self.done.set()
+
+    def wait(self):
+        assert self.done.wait(WAIT_S), "request never finished"
+        return self
+
+    @property
+    def tokens(self):
+        return [e.token for e in self.events if isinstance(e, TokenEvent)]
+
+    @property
+    def text(self):
+        return "".join(e.text for e in self.events if isinstance(e, TokenEvent))
+
+    @property
+    def end(self):
+        return self.events[-1]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    path = save_tiny_model(tmp_path_factory.mktemp("engine") / "m", "llama:sliding")
+    model, tokenizer = load(str(path))
+    kv = KVConfig(bits=4, group_size=64)
+    return model, tokenizer, plan_kv(model, kv, batch=True), kv
+
+
+@pytest.fixture(scope="module")
+def engine(loaded):
+    model, tokenizer, plan, kv = loaded
+    eng = Engine(model, tokenizer, plan, kv, EngineOptions(prompt_cache_size=8,
+                                                           max_context=plan.max_context))
+    eng.start()
+    assert eng.readiness.ready_event.wait(WAIT_S)
+    assert eng.readiness.ready, eng.readiness.get()
+    yield eng
+    eng.stop()
+
+
+def submit(engine, prompt, **params):
+    params.setdefault("max_tokens", 8)
+    c = Collector()
+    req = GenerationRequest(list(prompt), SamplingParams(**params))
+    c.request_id = req.id
+    engine.submit(req, c)
+    return c
+
+
+def wait_until(predicate, what):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_warmup_report_shows_quantized_sliding_and_full(engine):
+    report = engine.readiness.get().report
+    for where in ("batch", "extracted"):
+        for kind in ("sliding", "full"):
+            s = report[where][kind]
+            assert s["quantized"] == s["slots"] > 0
+    assert report["sequence_tokens"] > engine.plan.max_window
+
+
+def test_concurrent_requests_share_the_batch(engine, loaded):
+    tokenizer = loaded[1]
+    prompts = [tokenizer.encode(f"Request number {i} says hello") for i in range(6)]
+    collectors = [submit(engine, p, max_tokens=12) for p in prompts]
+    for p, c in zip(prompts, collectors, strict=True):
+        c.wait()
+        assert isinstance(c.end, FinishEvent), c.end
+        assert c.end.usage.prompt_tokens == len(p)
+        assert c.end.usage.completion_tokens == len(c.tokens)
+        if c.end.reason == "length":
+            assert len(c.tokens) == 12
+    assert engine.metrics.snapshot().max_batch_size >= 2
+    wait_until(lambda: engine.metrics.snapshot().batch_size == 0, "an idle batch")
+    assert sum(engine.metrics.snapshot().kv_bytes_by_kind.values()) == 0
+
+
+def test_cancel_removes_the_sequence_and_releases_its_cache(engine, loaded):
+    tokenizer = loaded[1]
+    before = engine.metrics.snapshot().requests.get("cancelled", 0)
+    c = submit(engine, tokenizer.encode("a long story please"), max_tokens=400)
+    assert c.first_token.wait(WAIT_S)
+    wait_until(lambda: sum(engine.metrics.snapshot().kv_bytes_by_kind.values()) > 0, "KV held")
+    engine.cancel(c.request_id)
+    wait_until(
+        lambda: engine.metrics.snapshot().requests.get("cancelled", 0) == before + 1,
+        "the cancellation",
+    )
+    wait_until(lambda: sum(engine.metrics.snapshot().kv_bytes_by_kind.values()) == 0, "no KV")
+    assert engine.metrics.snapshot().batch_size == 0
+    assert not c.done.is_set()  # a cancelled request gets no more events
+    ok = submit(engine, tokenizer.encode("after the cancel"), max_tokens=4).wait()
+    assert isinstance(ok.end, FinishEvent)
+
+
+def test_stop_string_ends_the_sequence_and_keeps_its_cache(engine, loaded):
+    tokenizer = loaded[1]
+    prompt = tokenizer.encode("Tell me a story about the river")
+    free = submit(engine, prompt, max_tokens=16).wait()
+    pieces = [e.text for e in free.events if isinstance(e, TokenEvent) and e.text.strip()]
+    stop = pieces[len(pieces) // 2]
+    expected = free.text[: free.text.find(stop)]
+    stopped = submit(engine, prompt, max_tokens=16, stop=(stop,)).wait()
+    assert stopped.end.reason == "stop"
+    assert stopped.text == expected
+    assert stop not in stopped.text
+    assert stopped.end.usage.completion_tokens == len(stopped.tokens) <= 16
+
+
+def test_conversation_reuses_the_cached_prefix(engine, loaded):
+    tokenizer = loaded[1]
+    turn1 = tokenizer.encode("System: be brief. User: hi there, how are you?")
+    first = submit(engine, turn1, max_tokens=6).wait()
+    turn2 = turn1 + first.tokens + tokenizer.encode(" User: and tomorrow?")
+    second = submit(engine, turn2, max_tokens=6).wait()
+    assert second.end.usage.cached_tokens == len(turn1) + len(first.tokens)
+    assert second.end.usage.prompt_tokens == len(turn2)
+    stats = engine.prompt_cache.stats()
+    assert stats.hits >= 1 and stats.nbytes > 0
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(engine, loaded):
+    tokenizer = loaded[1]
+    prompt = tokenizer.encode("Pick some random words")
+    alone = submit(engine, prompt, max_tokens=10, temperature=1.0, seed=7).wait()
+    crowd = [submit(engine, tokenizer.encode(f"noise {i}"), max_tokens=10, temperature=1.0)
+             for i in range(3)]  # fmt: skip
+    again = submit(engine, prompt, max_tokens=10, temperature=1.0, seed=7).wait()
+    for c in crowd:
+        c.wait()
+    assert alone.tokens == again.tokens
+
+
+def test_too_long_prompt_is_refused(engine):
+    c = submit(engine, [5] * (engine.max_context + 1)).wait()
+    assert isinstance(c.end, ErrorEvent) and c.end.status == 400
+
+
+class ExplodingModel:
+    """Wraps a model; raises inside the forward pass once armed."""
+
+    def __init__(self, model):
+        self._model = model
+        self.armed = False
+
+    def __call__(self, *args, **kwargs):
+        if self.armed:
+            raise RuntimeError("simulated accelerator fault")
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def test_engine_failure_is_reported_by_health(loaded):
+    from fastapi.testclient import TestClient
+
+    from mlx_kvq.server.app import ServerSettings, create_app
+
+    model, tokenizer, plan, kv = loaded
+    boom = ExplodingModel(model)
+    eng = Engine(boom, tokenizer, plan, kv, EngineOptions())
+    client = TestClient(create_app(eng, ServerSettings(model_id="tiny", plan=plan.to_dict())))
+    eng.start()
+    assert eng.readiness.ready_event.wait(WAIT_S)
+    assert client.get("/health").status_code == 200
+    boom.armed = True
+    failed = submit(eng, tokenizer.encode("this will fail")).wait()
+    assert isinstance(failed.end, ErrorEvent) and failed.end.status == 503
+    r = client.get("/health")
+    assert r.status_code == 503
+    assert r.json()["status"] == "failed"
+    assert "simulated accelerator fault" in r.json()["reason"]
+    assert client.get("/live").status_code == 200
+    late = submit(eng, tokenizer.encode("after the failure")).wait()
+    assert isinstance(late.end, ErrorEvent) and late.end.status == 503
+    mx.clear_cache()
