@@ -1,0 +1,128 @@
+"""Shared helpers for the mlx-kvq test-suite: error bounds, mask comparison,
+tiny random-weight models.
+
+Imported by test modules as `kvq_helpers` (pytest puts `tests/` on the path).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_kvq.quant import QuantizedKV, rotate
+
+F16_HALF_ULP = 2.0**-11  # relative half-ulp of float16
+
+
+# -- quantization error bound --------------------------------------------------
+def dequantize_f32(q: QuantizedKV, unrotate: bool = False) -> mx.array:
+    """Dequantize in float32 (scales/biases cast up first), optionally back to
+    the original basis."""
+    x = mx.dequantize(
+        q.data,
+        q.scales.astype(mx.float32),
+        q.biases.astype(mx.float32),
+        group_size=q.group_size,
+        bits=q.bits,
+    )
+    return rotate(x) if (unrotate and q.rotated) else x
+
+
+def error_bound(q: QuantizedKV, ref: mx.array) -> mx.array:
+    """Per-element bound on |dequantize(q) - ref|, derived from the data.
+
+    MLX's affine quantizer stores per group a scale `s` and bias `b` (cast to
+    float16 here) and reconstructs `b + s * k`, `k` in `0 .. 2^bits - 1`.
+    An element inside the grid's range is within `|s|/2` of a grid point; MLX
+    moves the grid so that 0 is exactly representable, which can leave the
+    group's far extreme up to about one step outside the range, so those
+    elements are additionally allowed their distance to the range. Float16
+    storage of `s` and `b` adds `(2^bits - 1) * ulp(s)/2 + ulp(b)/2` (twice
+    for `s`: once for the grid point, once for the range edge).
+    """
+    n = 2**q.bits - 1
+    g = q.group_size
+    s = mx.abs(q.scales.astype(mx.float32))
+    b = q.biases.astype(mx.float32)
+    sb = q.scales.astype(mx.float32)
+    lo = mx.minimum(b, b + n * sb)[..., None]
+    hi = mx.maximum(b, b + n * sb)[..., None]
+    shape = ref.shape
+    x = ref.astype(mx.float32).reshape(*shape[:-1], shape[-1] // g, g)
+    outside = mx.maximum(0.0, mx.maximum(lo - x, x - hi))
+    per_group = s * (0.5 + 2 * n * F16_HALF_ULP) + mx.abs(b) * 2 * F16_HALF_ULP + 1e-6
+    bound = per_group[..., None] + outside + 1e-6 * mx.abs(x)
+    return bound.reshape(shape)
+
+
+def assert_close_quantized(got, ref: mx.array, what: str = "") -> None:
+    """`got` (QuantizedKV or array) matches the raw reference `ref`.
+
+    Quantized: every element within the data-derived bound (rotated stores
+    are compared in the rotated basis, where the bound holds element-wise).
+    Raw: exactly equal.
+    """
+    if isinstance(got, QuantizedKV):
+        assert got.shape == tuple(ref.shape), (what, got.shape, ref.shape)
+        if ref.size == 0:
+            return
+        target = rotate(ref.astype(mx.float32)) if got.rotated else ref
+        deq = dequantize_f32(got)
+        err = mx.abs(deq - target.astype(mx.float32))
+        bound = error_bound(got, target)
+        ok = mx.all(err <= bound).item()
+        if not ok:
+            worst = mx.max(err - bound).item()
+            raise AssertionError(f"{what}: quantization error exceeds bound by {worst}")
+    else:
+        assert tuple(got.shape) == tuple(ref.shape), (what, got.shape, ref.shape)
+        assert mx.array_equal(got.astype(mx.float32), ref.astype(mx.float32)).item(), what
+
+
+def assert_close_dequantized(got: mx.array, packed, ref: mx.array, what: str = "") -> None:
+    """A dequantized hand-out `got` (model dtype, original basis) matches `ref`.
+
+    `packed` is the stored form it came from; its data-derived bound applies
+    element-wise, or per token vector in L2 when the store is rotated (the
+    rotation is orthonormal). Dequantizing through float16 scales adds a
+    float16 rounding of the result.
+    """
+    assert got.dtype == ref.dtype and tuple(got.shape) == tuple(ref.shape), what
+    if not isinstance(packed, QuantizedKV):
+        assert mx.array_equal(got, ref).item(), what
+        return
+    target = rotate(ref.astype(mx.float32)) if packed.rotated else ref.astype(mx.float32)
+    bound = error_bound(packed, target) + mx.abs(target) * 2 * F16_HALF_ULP + 1e-4
+    err = got.astype(mx.float32) - ref.astype(mx.float32)
+    if packed.rotated:
+        ok = mx.all(mx.sqrt((err**2).sum(-1)) <= mx.sqrt((bound**2).sum(-1)) * 1.01).item()
+    else:
+        ok = mx.all(mx.abs(err) <= bound).item()
+    assert ok, f"{what}: dequantized hand-out outside the quantization bound"
+
+
+# -- masks -----------------------------------------------------------------------
+def mask_equal(a, b) -> bool:
+    """Identical masks: same kind (None, "causal", array) and equal arrays."""
+    if a is None or b is None or isinstance(a, str) or isinstance(b, str):
+        return a == b if (isinstance(a, str) or isinstance(b, str)) else (a is None and b is None)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return mx.array_equal(a, b).item()
+
+
+def positional_mask(positions: mx.array, query_pos: int, window_size: int | None) -> np.ndarray:
+    """Ground truth for one query: a slot is visible iff its token position is
+    causal and inside the window."""
+    pos = np.array(positions)
+    ok = pos <= query_pos
+    if window_size is not None:
+        ok &= pos > query_pos - window_size
+    return ok
+
+
+def as_bool(mask, n_keys: int) -> np.ndarray:
+    """A one-query mask (None, bool vector, or (1, S)) as a bool vector."""
+    if mask is None:
+        return np.ones(n_keys, dtype=bool)
+    return np.array(mask).reshape(-1)[-n_keys:].astype(bool)
