@@ -89,7 +89,8 @@ class KVQCache(_BaseCache):
         return [
             k.bits or 0, k.group_size, k.rotation,
             v.bits or 0, v.group_size, v.rotation,
-            self.start, self.hand_out, str(self.dtype).split(".")[-1],
+            self.start, self.hand_out,
+            "none" if self.dtype is None else str(self.dtype).split(".")[-1],
         ]  # fmt: skip
 
     def _set_spec_state(self, meta: list) -> None:
@@ -100,7 +101,8 @@ class KVQCache(_BaseCache):
             int(start),
             hand_out,
         )
-        self.dtype = getattr(mx, dtype)
+        # An empty cache has no dtype yet ("none").
+        self.dtype = None if dtype == "none" else getattr(mx, dtype)
 
     def _store_state(self) -> list:
         if self.keys is None:

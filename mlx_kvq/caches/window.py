@@ -131,6 +131,10 @@ class KVQWindowCache(KVQCache):
             return "causal"
         if window_size is None or self.offset < window_size:
             return None
+        if self.keep == 0 and self.max_size <= window_size:
+            # Every slot is inside the window: no mask, as mlx-lm (sinks,
+            # keep > 0, fall outside the window and still need one).
+            return None
         return self.slot_positions() > self.offset - window_size
 
     # -- protocol -----------------------------------------------------------
