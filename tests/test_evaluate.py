@@ -1,0 +1,182 @@
+"""Quality evaluation: evaluate() on a tiny model, rotation exactness, CLI JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import gemma3_text
+
+from mlx_kvq import evaluate as ev
+from mlx_kvq.attention import quantized_attention
+from mlx_kvq.config import KVConfig, QuantSpec
+from mlx_kvq.quant import Store, rotate
+
+CONTEXT, CHUNK, WINDOWS = 48, 16, 2
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A float32 gemma3_text: 2 sliding layers (window 16) and 1 full layer."""
+    mx.random.seed(0)
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+        num_attention_heads=2, head_dim=64, vocab_size=128, num_key_value_heads=1,
+        sliding_window=16, sliding_window_pattern=3, query_pre_attn_scalar=64,
+    )  # fmt: skip
+    model = gemma3_text.Model(args)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    tokens = mx.random.randint(0, 128, (200,)).tolist()
+    return model, tokens
+
+
+def _eval(tiny, cfg, **kw):
+    model, tokens = tiny
+    kw = {"context": CONTEXT, "chunk": CHUNK, "windows": WINDOWS, "progress": False, **kw}
+    return ev.evaluate(model, tokens, cfg, **kw)
+
+
+def test_unquantized_against_itself_is_identical(tiny):
+    r = _eval(tiny, KVConfig())
+    assert math.isfinite(r["ppl_base"]) and r["ppl_base"] > 1
+    assert r["ppl"] == r["ppl_base"]
+    assert r["rel_ppl_change"] == 0.0
+    assert r["kl_mean"] == 0.0 and r["kl_max"] == 0.0
+    assert r["top1"] == 1.0
+    assert r["windows"] == WINDOWS
+    assert r["tokens_scored"] == WINDOWS * (CONTEXT - 1)
+    assert r["bits_per_element"] == 16.0
+
+
+def test_quantized_settings_order_by_bits(tiny):
+    model, tokens = tiny
+    cfgs = [KVConfig(bits=8), KVConfig(bits=4), KVConfig(bits=8, rotation="hadamard")]
+    r8, r4, r8rot = ev.evaluate_many(
+        model, tokens, cfgs, context=CONTEXT, chunk=CHUNK, windows=WINDOWS, progress=False
+    )
+    for r in (r8, r4, r8rot):
+        assert math.isfinite(r["ppl"]) and r["kl_mean"] >= -1e-6
+        assert r["ppl_base"] == r8["ppl_base"]  # one shared unquantized run
+    assert r8["kl_mean"] < 1e-2 and r8rot["kl_mean"] < 1e-2
+    assert r8["kl_mean"] < r4["kl_mean"]
+    assert r8["top1"] >= 0.9
+    assert r8["bits_per_element"] == pytest.approx(8.5)
+    assert r4["bits_per_element"] == pytest.approx(4.5)
+
+
+def test_mixed_widths_count_bits(tiny):
+    r = _eval(tiny, KVConfig(key_bits=3, value_bits=2, group_size=64))
+    assert r["bits_per_element"] == pytest.approx(3.0)
+    assert math.isfinite(r["ppl"])
+
+
+def test_chunk_size_does_not_change_unquantized_scores(tiny):
+    a = _eval(tiny, KVConfig(), chunk=16)
+    b = _eval(tiny, KVConfig(), chunk=5)
+    assert a["ppl_base"] == pytest.approx(b["ppl_base"], rel=1e-4)
+
+
+def test_windows_and_bos():
+    assert ev.window_starts(1000, 100, 1) == [0]
+    assert ev.window_starts(50, 100, 4) == [0]
+    s = ev.window_starts(1000, 100, 4)
+    assert s[0] == 0 and s[-1] == 900 and len(s) == 4
+    wins = ev._windows(list(range(10, 30)), 5, 3, bos=1)
+    assert all(w[0] == 1 and len(w) == 5 for w in wins)
+
+
+# -- rotation is exact for attention -----------------------------------------------
+def _qkv(seed=1, L=12, S=40, D=64, n_q=4, n_kv=2):
+    mx.random.seed(seed)
+    q = mx.random.normal((1, n_q, L, D))
+    k = mx.random.normal((1, n_kv, S, D)) * mx.where(mx.arange(D) % 17 == 3, 10.0, 1.0)
+    v = mx.random.normal((1, n_kv, S, D))
+    return q, k, v
+
+
+def test_rotation_is_orthonormal_and_self_inverse():
+    x = mx.random.normal((3, 64))
+    assert mx.allclose(rotate(rotate(x)), x, atol=1e-5)
+    assert mx.allclose(mx.linalg.norm(rotate(x), axis=-1), mx.linalg.norm(x, axis=-1), atol=1e-4)
+
+
+def test_rotation_leaves_scores_and_outputs_unchanged_in_float32():
+    q, k, v = _qkv()
+    scale = 64**-0.5
+    scores = (q * scale) @ mx.repeat(k, 2, axis=1).swapaxes(-1, -2)
+    scores_rot = (rotate(q) * scale) @ mx.repeat(rotate(k), 2, axis=1).swapaxes(-1, -2)
+    assert mx.abs(scores - scores_rot).max().item() < 1e-4
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+    out = rotate(
+        mx.fast.scaled_dot_product_attention(
+            rotate(q), rotate(k), rotate(v), scale=scale, mask="causal"
+        )
+    )
+    assert mx.abs(ref - out).max().item() < 1e-4
+
+
+def _dequantize32(x):
+    """Dequantized in float32 (scales cast up first), back in the original basis."""
+    w = mx.dequantize(
+        x.data, x.scales.astype(mx.float32), x.biases.astype(mx.float32),
+        group_size=x.group_size, bits=x.bits,
+    )  # fmt: skip
+    return rotate(w) if x.rotated else w
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rotated_quantized_attention_equals_attention_on_its_dequantized_kv(bits):
+    """Attention undoes the rotation exactly: the only error left is that of
+    the quantized values themselves (same for both sides here)."""
+    q, k, v = _qkv()
+    scale = 64**-0.5
+    spec = QuantSpec(bits, 64, "hadamard")
+    kq, vq = Store.encode(k, spec).fetch(), Store.encode(v, spec).fetch()
+    assert kq.rotated and vq.rotated
+    out = quantized_attention(q, kq, vq, scale, mask="causal")
+    ref = mx.fast.scaled_dot_product_attention(
+        q, _dequantize32(kq), _dequantize32(vq), scale=scale, mask="causal"
+    )
+    assert mx.abs(out - ref).max().item() < 1e-4
+
+
+def test_rotation_lowers_key_error_with_outlier_channels():
+    q, k, v = _qkv()
+    scale = 64**-0.5
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+    errs = {}
+    for rot in ("none", "hadamard"):
+        kq = Store.encode(k, QuantSpec(4, 64, rot)).fetch()
+        out = quantized_attention(q, kq, v, scale, mask="causal")
+        errs[rot] = (mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item()
+    assert errs["hadamard"] < errs["none"]
+
+
+# -- command line -------------------------------------------------------------------
+def test_cli_json_is_well_formed(tiny, monkeypatch, capsys):
+    model, tokens = tiny
+    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, tokens, None))
+    rc = ev.main(
+        ["--kv-bits", "4", "--kv-rotation", "hadamard", "--context", str(CONTEXT),
+         "--chunk", str(CHUNK), "--windows", "2", "--json", "--no-progress"]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    for key in ("ppl_base", "ppl", "rel_ppl_change", "kl_mean", "top1", "bits_per_element"):
+        assert isinstance(data[key], float) and math.isfinite(data[key])
+    assert data["kv_config"]["rotation"] == "hadamard" and data["kv_config"]["bits"] == 4
+    assert data["setting"] == "K 4b/g64+rot V 4b/g64+rot"
+
+
+def test_cli_table_and_bad_setting(tiny, monkeypatch, capsys):
+    model, tokens = tiny
+    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, tokens, None))
+    assert ev.main(["--kv-key-bits", "8", "--context", "32", "--chunk", "16", "--windows", "1",
+                    "--no-progress"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| K 8b/g64 V fp16 |" in out
+    with pytest.raises(SystemExit):
+        ev.main(["--kv-bits", "7"])
