@@ -225,3 +225,20 @@ def test_engine_failure_is_reported_by_health(loaded):
     late = submit(eng, tokenizer.encode("after the failure")).wait()
     assert isinstance(late.end, ErrorEvent) and late.end.status == 503
     mx.clear_cache()
+
+
+def test_requests_queued_during_a_failed_warmup_get_an_error(loaded, tmp_path):
+    model, tokenizer, plan, kv = loaded
+    boom = ExplodingModel(model)
+    boom.armed = True
+    gate = tmp_path / "gate"
+    eng = Engine(boom, tokenizer, plan, kv, EngineOptions(warmup_gate=str(gate)))
+    eng.start()
+    early = submit(eng, tokenizer.encode("queued before the warm-up"))
+    assert eng.readiness.get().status == "warming_up"
+    gate.touch()
+    early.wait()
+    assert isinstance(early.end, ErrorEvent) and early.end.status == 503
+    state = eng.readiness.get()
+    assert state.status == "failed" and "simulated accelerator fault" in state.reason
+    eng.stop()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import greedy_sampler
 
@@ -84,8 +85,15 @@ class _Live:
     started: float = field(default_factory=time.monotonic)
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine thread is not running (failed or stopped)."""
+def materialize(model: Any) -> None:
+    """Evaluate every array the model holds, private ones included.
+
+    MLX arrays are bound to the stream of the thread that created them: a
+    lazy array built at load time (e.g. a rope's `_freqs`) cannot be
+    evaluated later from the engine thread. `mlx_lm.load` evaluates only the
+    parameters, so evaluate the rest here, on the loading thread.
+    """
+    mx.eval([v for _, v in tree_flatten(model) if isinstance(v, mx.array)])
 
 
 class Engine:
@@ -104,6 +112,7 @@ class Engine:
     ):
         if cache_report is None:
             from mlx_kvq.caches import cache_report
+        materialize(model)
         self.model = model
         self.tokenizer = tokenizer
         self.plan = plan
@@ -124,6 +133,7 @@ class Engine:
         self._kv_fraction = (0, 0)  # (quantized KV slots, KV slots) last seen
         self._lock = threading.Lock()  # guards _closed against submit()
         self._closed: str | None = None  # reason new requests are refused
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlx-kvq-engine", daemon=True)
         self._bg: BatchGenerator | None = None
         self._batch_size = 0  # sequences decoded together in the last step
@@ -133,6 +143,7 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float | None = 10.0) -> None:
+        self._stopping.set()
         self._inbox.put(("stop",))
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -396,12 +407,9 @@ class Engine:
         """Run the readiness warm-up; False if the engine must not serve."""
         gate = self.options.warmup_gate
         while gate and not os.path.exists(gate):
-            try:
-                if self._inbox.get(timeout=0.05)[0] == "stop":
-                    self._shutdown("server is shutting down")
-                    return False
-            except queue.Empty:
-                pass
+            if self._stopping.wait(0.05):
+                self._shutdown("server is shutting down")
+                return False
         t0 = time.monotonic()
         spec = warmup_spec(getattr(self.plan, "max_window", None), self.kv_config, self.max_context)
         filler = list(self.tokenizer.encode(WARMUP_TEXT)) or [0]

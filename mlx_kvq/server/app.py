@@ -406,7 +406,7 @@ def plan_health(plan: dict[str, Any]) -> dict[str, Any]:
     if plan.get("shared_layers"):
         kinds["shared"] = plan["shared_layers"]
     kv = plan.get("kv_config", {})
-    keys = ("summary", "kv_layers", "quantized_layers", "partial", "bytes_per_token",
+    keys = ("summary", "kv_layers", "quantized_layers", "partial", "sinks", "bytes_per_token",
             "fp16_bytes_per_token", "max_window", "max_context")  # fmt: skip
     out = {k: plan.get(k) for k in keys}
     out["layers_by_kind"] = kinds

@@ -125,6 +125,9 @@ class ServerProcess:
                     return r
             except httpx.TransportError:
                 pass
+            else:
+                if path == "/health" and r.status_code == 503 and r.json().get("status") == "failed":
+                    raise RuntimeError(f"engine failed: {r.json()}:\n{self.log()[-4000:]}")
             time.sleep(0.05)
         raise TimeoutError(f"{path} never answered {status} (last: {last}):\n{self.log()[-4000:]}")
 
