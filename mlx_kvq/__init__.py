@@ -1,11 +1,69 @@
-"""mlx-kvq: quantized KV caches for every attention layout in mlx-lm models."""
+"""mlx-kvq: quantized KV caches for every attention layout in mlx-lm models.
 
-from . import attention as _attention
-from .caches import register_for_prompt_files as _register
+`import mlx_kvq` stays light: it loads only the settings (`KVConfig`,
+`QuantSpec`, `UnsupportedKVConfig`). Importing anything from mlx-lm loads its
+package `__init__` (transformers, seconds of start-up), so the generation
+entry points and the planner are resolved on first use. Importing the caches
+(which every entry point does) installs the attention redirect and makes our
+cache classes loadable from mlx-lm prompt-cache files.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from .config import KVConfig, QuantSpec, UnsupportedKVConfig
 
-_attention.install()
-_register()
+if TYPE_CHECKING:  # pragma: no cover
+    from .generate import (
+        generate,
+        generate_step,
+        load_prompt_cache,
+        make_prompt_cache,
+        save_prompt_cache,
+        stream_generate,
+    )
+    from .plan import KVPlan, plan_kv
 
-__all__ = ["KVConfig", "QuantSpec", "UnsupportedKVConfig"]
+# Public name -> submodule defining it, imported on first access.
+_LAZY = {
+    "make_prompt_cache": "generate",
+    "generate_step": "generate",
+    "stream_generate": "generate",
+    # `mlx_kvq.generate` is the `mlx_kvq.generate` module, which is callable as
+    # the `generate` function (see the end of generate.py).
+    "generate": "generate",
+    "save_prompt_cache": "generate",
+    "load_prompt_cache": "generate",
+    "plan_kv": "plan",
+    "KVPlan": "plan",
+}
+
+__all__ = [
+    "KVConfig",
+    "KVPlan",
+    "QuantSpec",
+    "UnsupportedKVConfig",
+    "generate",
+    "generate_step",
+    "load_prompt_cache",
+    "make_prompt_cache",
+    "plan_kv",
+    "save_prompt_cache",
+    "stream_generate",
+]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f".{_LAZY[name]}", __name__)
+    value = module if name == "generate" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
 import weakref
 from collections.abc import Generator
 from pathlib import Path
@@ -258,3 +259,20 @@ def check_prompt_cache_settings(cache: list, expect: KVConfig, source: str = "pr
                     f"{source}: layer {i} is unquantized ({type(leaf).__name__}), but "
                     f"{expect.describe()} was requested"
                 )
+
+
+class _CallableModule(sys.modules[__name__].__class__):
+    """This module, callable as `generate(model, tokenizer, prompt, ...)`.
+
+    `mlx_kvq.generate` names both this module (`from mlx_kvq.generate import
+    save_prompt_cache`, `mlx_kvq.generate.load_prompt_cache`) and, as in
+    mlx-lm's package, the `generate` function. The import system binds the
+    submodule to the package attribute whenever it is first imported, so the
+    module itself is made callable instead of racing that binding.
+    """
+
+    def __call__(self, model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
+        return generate(model, tokenizer, prompt, verbose=verbose, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,51 @@
+"""The public API of `mlx_kvq`, and that importing it stays light."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import mlx_kvq
+
+PUBLIC = [
+    "make_prompt_cache", "generate_step", "stream_generate", "generate", "plan_kv",
+    "KVConfig", "UnsupportedKVConfig", "KVPlan", "save_prompt_cache", "load_prompt_cache",
+]  # fmt: skip
+
+
+def test_import_is_light():
+    """`import mlx_kvq` loads neither mlx-lm (whose package import pulls in
+    transformers) nor our caches; the entry points load on first use."""
+    code = (
+        "import sys, mlx_kvq\n"
+        "heavy = [m for m in ('mlx_lm', 'transformers', 'mlx_kvq.generate', 'mlx_kvq.caches')"
+        " if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "assert mlx_kvq.KVConfig(bits=4).enabled\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_public_names_resolve():
+    from mlx_kvq import attention, generate, plan
+
+    for name in PUBLIC:
+        assert name in mlx_kvq.__all__
+        assert getattr(mlx_kvq, name) is not None
+    assert mlx_kvq.make_prompt_cache is generate.make_prompt_cache
+    assert mlx_kvq.plan_kv is plan.plan_kv and mlx_kvq.KVPlan is plan.KVPlan
+    assert issubclass(mlx_kvq.UnsupportedKVConfig, ValueError)
+    # Using any entry point installs the attention redirect.
+    import mlx_lm.models.base as mlx_base
+
+    assert mlx_base.scaled_dot_product_attention is attention.scaled_dot_product_attention
+
+
+def test_generate_is_callable_and_the_module():
+    """`mlx_kvq.generate` is the function (as in mlx-lm) and the module
+    (`mlx_kvq.generate.save_prompt_cache`), whichever was imported first."""
+    import mlx_kvq.generate  # noqa: F401  (binds the submodule to the package)
+
+    assert callable(mlx_kvq.generate)
+    assert mlx_kvq.generate.save_prompt_cache is mlx_kvq.save_prompt_cache
+    assert mlx_kvq.generate.load_prompt_cache is mlx_kvq.load_prompt_cache
