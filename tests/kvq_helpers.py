@@ -126,3 +126,78 @@ def as_bool(mask, n_keys: int) -> np.ndarray:
     if mask is None:
         return np.ones(n_keys, dtype=bool)
     return np.array(mask).reshape(-1)[-n_keys:].astype(bool)
+
+
+# -- tiny random-weight models ------------------------------------------------------
+VOCAB = 256
+_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+SW = ["sliding_attention", "full_attention"]
+
+# Sliding windows of 8 tokens with both sliding and full layers, so windows
+# wrap inside a 40-token prompt.
+TINY = {
+    "gemma3_text": dict(
+        _BASE, num_hidden_layers=4, sliding_window=8, sliding_window_pattern=2,
+        query_pre_attn_scalar=64,
+    ),
+    "gemma4_text": dict(
+        _BASE, num_hidden_layers=6, num_kv_shared_layers=2, global_head_dim=128,
+        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, sliding_window=8,
+        sliding_window_pattern=2, use_double_wide_mlp=True,
+    ),
+    "gpt_oss": dict(
+        _BASE, num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=64, sliding_window=8, layer_types=SW * 2,
+    ),
+    "cohere2": dict(
+        _BASE, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=4,
+        sliding_window=8, sliding_window_pattern=2, layer_norm_eps=1e-5,
+    ),
+    "llama": dict(_BASE, num_hidden_layers=2),
+}  # fmt: skip
+
+
+def tiny_model(model_type: str, seed: int = 0, **overrides):
+    """A float32 random-weight model of `model_type` (weights materialised)."""
+    import importlib
+
+    import mlx_kvq  # noqa: F401  (installs the attention redirect first)
+
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    config = dict(TINY[model_type], model_type=model_type, **overrides)
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    if model_type == "gpt_oss":
+        # Zero-initialised sinks would make the sink path a no-op.
+        for layer in model.model.layers:
+            layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape)
+    # Trained Gemma models attend at a moderate temperature; random init does
+    # not: gemma3's (1 + w) q/k norms start at w = 1 (RMS 2, scores 4x too
+    # hot) and gemma4 attends with scale 1.0 on unit-RMS q/k (8x too hot).
+    # Such peaked attention turns any perturbation into a different token.
+    if model_type == "gemma3_text":
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight = mx.zeros_like(layer.self_attn.q_norm.weight)
+            layer.self_attn.k_norm.weight = mx.zeros_like(layer.self_attn.k_norm.weight)
+    if model_type == "gemma4_text":
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.q_norm.weight = attn.q_norm.weight * attn.head_dim**-0.5
+    mx.eval(model.parameters())
+    return model
+
+
+def prompt_tokens(n: int = 40, seed: int = 0) -> mx.array:
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.integers(0, VOCAB, size=n).astype(np.int32))
