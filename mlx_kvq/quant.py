@@ -62,6 +62,9 @@ class Store:
     """A K or V buffer along the token axis (-2), raw or quantized."""
 
     __slots__ = ("parts", "spec")
+    # Not a sequence: without this, code that tries to iterate a cache's
+    # `.keys` would index token rows forever (MLX does not raise IndexError).
+    __iter__ = None
 
     def __init__(self, parts: Sequence[mx.array], spec: QuantSpec):
         self.parts = tuple(parts)
@@ -70,9 +73,10 @@ class Store:
     # -- construction -------------------------------------------------------
     @classmethod
     def encode(cls, x: mx.array, spec: QuantSpec) -> Store:
-        """Store `x` (B, H, N, D) under `spec` (raw when `spec.bits` is None)."""
-        if not spec.quantized:
-            return cls((x,), spec)
+        """Store `x` (B, H, N, D) under `spec` (raw when `spec.bits` is None,
+        or when there is nothing to pack: zero-width tensors)."""
+        if not spec.quantized or x.shape[-1] == 0:
+            return cls((x,), QuantSpec(None, spec.group_size))
         if spec.rotation == "hadamard":
             x = rotate(x)
         w, s, b = mx.quantize(x, group_size=spec.group_size, bits=spec.bits)
