@@ -98,3 +98,20 @@ def test_bad_numbers_exit_before_loading(tmp_path):
     with s:
         assert s.run_to_exit() == 2
         assert "kv bits must be one of" in s.log()
+
+
+def test_without_model_serves_the_demo_or_says_why(tmp_path):
+    try:
+        from mlx_kvq.demo import demo_model_path
+
+        demo_model_path()
+    except (ImportError, FileNotFoundError):
+        with ServerProcess(None) as s:
+            assert s.run_to_exit() == 2
+            assert "no --model given and the embedded demo model is not available" in s.log()
+        return
+    with ServerProcess(None) as s:
+        body = s.wait_ready().json()
+        assert body["model"] == "mlx-kvq-demo"
+        check_quantized_warmup(body)
+        assert [m.id for m in s.client().models.list().data] == ["mlx-kvq-demo"]
