@@ -51,7 +51,7 @@ class LayerPlan:
     """What one cache slot gets."""
 
     slot: int
-    kind: str  # full | sliding | chunked | state
+    kind: str  # full | sliding | chunked | state | unused
     window: int | None
     key_spec: QuantSpec
     value_spec: QuantSpec
@@ -86,6 +86,8 @@ class LayerPlan:
     def label(self) -> str:
         if self.kind == "state":
             return "state (recurrent, not a KV cache)"
+        if self.kind == "unused":
+            return "unused (the model never stores K/V here)"
         text = self.kind if self.window is None else f"{self.kind}({self.window})"
         if self.skipped:
             return f"{text} UNQUANTIZED (skipped on request)"
@@ -369,7 +371,11 @@ def plan_kv(
         raise UnsupportedKVConfig(f"{model_type}: probe forward pass failed: {e!r}") from e
     shaped = []
     for p, (_, _, c) in zip(layers, flat):
-        if p.is_kv:
+        if p.is_kv and c.keys is None:
+            # e.g. nemotron-nas: a cache made for an attention block the model
+            # replaced by a linear layer; nothing is ever stored there.
+            p = _replace(p, kind="unused")
+        elif p.is_kv:
             h, dk, dv = _slot_shapes(c)
             p = _replace(p, kv_heads=h, key_dim=dk, value_dim=dv)
             if p.quantized:
