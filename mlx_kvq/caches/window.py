@@ -31,7 +31,9 @@ class KVQWindowCache(KVQCache):
     ):
         if max_size <= keep:
             raise ValueError(
-                f"sliding window max_size ({max_size}) must be larger than keep ({keep})"
+                f"sliding window max_size ({max_size}) must be larger than keep ({keep}), "
+                "the sink tokens it always holds (windows made for --max-kv-size / "
+                f"max_kv_size keep {keep}: use a max kv size above {keep})"
             )
         self._init_specs(key_spec, value_spec, start, hand_out)
         self.max_size = max_size
