@@ -73,8 +73,11 @@ def _attend_block(q, k, v, scale, mask, sinks, dtype, n_rep):
     """One block of queries: scores, mask, sinks, softmax, weighted values."""
     scores = _scores(q * scale, k, dtype)  # (B, Hkv, rep, L, S) or (B, H, L, S)
     if mask is not None:
-        if n_rep > 1 and mask.ndim > 3:
-            mask = mx.expand_dims(mask, -3)
+        if n_rep > 1 and mask.ndim >= 3:
+            if mask.shape[-3] > 1:  # one mask per query head: group like the queries
+                mask = mask.reshape(*mask.shape[:-3], -1, n_rep, *mask.shape[-2:])
+            else:
+                mask = mx.expand_dims(mask, -3)
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
