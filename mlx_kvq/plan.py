@@ -36,12 +36,25 @@ from .config import KVConfig, QuantSpec, UnsupportedKVConfig
 # catches any model not listed here.
 DEQUANTIZED_MODELS = frozenset(
     {
-        "afm7", "bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "deepseek_v32",
-        "deepseek_v41", "gemma2", "glm4_moe_lite", "glm_moe_dsa", "kimi_k25",
-        "kimi_k3", "kimi_linear", "kimi_vl", "longcat_flash", "mistral4", "phi",
-        "phi3small", "phixtral", "plamo", "plamo2", "stablelm",
+        "bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "gemma2", "glm4_moe_lite",
+        "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl", "longcat_flash", "mistral4",
+        "phi", "phi3small", "phixtral", "plamo", "plamo2", "stablelm",
     }
 )  # fmt: skip
+
+# Model code that cannot work with any cache object other than mlx-lm's own:
+# refused at plan time with the reason (found by the architecture sweep).
+_INDEXER = (
+    "its sparse-attention indexer writes arrays into the caches' `.keys`/`.values` "
+    "attributes directly (mx.depends / zeros_like), which only mlx-lm's array-backed "
+    "caches allow"
+)
+REFUSED_MODELS = {
+    "deepseek_v32": _INDEXER,
+    "glm_moe_dsa": _INDEXER,
+    "minimax_m3_vl": _INDEXER,
+    "deepseek_v41": "it uses its own cache class (LayerCache), which mlx-kvq has not declared",
+}
 
 KV_KINDS = ("full", "sliding", "chunked")
 
@@ -336,6 +349,11 @@ def plan_kv(
     model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
     attention.install()
     model_type = _model_type(model)
+    if cfg.enabled and model_type in REFUSED_MODELS:
+        raise UnsupportedKVConfig(
+            f"{model_type}: KV quantization is not supported: {REFUSED_MODELS[model_type]}. "
+            "Run without --kv-bits"
+        )
     proto = _prototype(model, cfg.max_kv_size)
     flat = _flatten(proto)
     slots = len(proto)
