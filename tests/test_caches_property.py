@@ -290,16 +290,20 @@ def _run_batch(specs, ops, seed, windowed: bool, max_size: int = 12):
     kspec, vspec = specs
     data = Data(seed)
     rng = np.random.default_rng(seed + 1)
+    starts = np.random.default_rng(seed + 2)
     if windowed:
 
         def make_pair():
-            return KVQWindowCache(max_size, kspec, vspec), C.RotatingKVCache(max_size)
+            start = int(starts.choice([0, 0, 12]))  # some rows still raw when merged
+            q = KVQWindowCache(max_size, kspec, vspec, start=start)
+            return q, C.RotatingKVCache(max_size)
 
         windows = (None, max_size // 2, max_size)
     else:
 
         def make_pair():
-            return KVQFullCache(kspec, vspec), C.KVCache()
+            start = int(starts.choice([0, 0, 12]))
+            return KVQFullCache(kspec, vspec, start=start), C.KVCache()
 
         windows = (None, 6)
     ours, ref = _merged(data, rng, make_pair, 20, windowed)

@@ -23,23 +23,30 @@ def _merge_stores(caches: list, lengths: list[int], fetch) -> tuple[Store, Store
     """Right-align each cache's tokens in one left-padded batch store."""
     max_length = max(lengths)
     padding = [max_length - n for n in lengths]
-    quantize = any(c.keys.quantized for c in caches if c.keys is not None)
-    template = next(c for c in caches if c.keys is not None)
+    filled = [c for c in caches if c.keys is not None]
+    # Per tensor: keys and values convert independently (key_bits=None keeps
+    # keys raw while values are quantized).
+    quantize_k = any(c.keys.quantized for c in filled)
+    quantize_v = any(c.values.quantized for c in filled)
+    template = filled[0]
     kspec, vspec = template.key_spec, template.value_spec
 
-    def conv(s: Store, spec: QuantSpec) -> Store:
-        return s.quantize(spec) if quantize else s
+    def conv_k(s: Store) -> Store:
+        return s.quantize(kspec) if quantize_k else s
 
-    k0 = conv(template.keys, kspec)
-    v0 = conv(template.values, vspec)
+    def conv_v(s: Store) -> Store:
+        return s.quantize(vspec) if quantize_v else s
+
+    k0 = conv_k(template.keys)
+    v0 = conv_v(template.values)
     keys = k0.zeros(max_length, batch=len(caches))
     values = v0.zeros(max_length, batch=len(caches))
-    for i, (p, n, c) in enumerate(zip(padding, lengths, caches)):
+    for i, (p, n, c) in enumerate(zip(padding, lengths, caches, strict=True)):
         if c.keys is None or n == 0:
             continue
         k, v = fetch(c, n)
-        keys[i : i + 1, :, p : p + n] = conv(k, kspec)
-        values[i : i + 1, :, p : p + n] = conv(v, vspec)
+        keys[i : i + 1, :, p : p + n] = conv_k(k)
+        values[i : i + 1, :, p : p + n] = conv_v(v)
     return keys, values, padding
 
 
