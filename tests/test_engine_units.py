@@ -153,6 +153,9 @@ def test_stop_string_cuts_and_holds_back_partial_matches():
     m = StopMatcher(["END"])
     assert m.feed("hello EN") == ("hello ", False)
     assert m.feed("!", final=True) == ("EN!", False)
+    # The stop that completes first wins, even if a longer one started earlier.
+    assert StopMatcher(["c", "XcX"]).feed("XXcX") == ("XX", True)
+    assert StopMatcher(["Xc", "c"]).feed("aXc") == ("a", True)
 
 
 @settings(max_examples=300, deadline=None)
@@ -172,9 +175,14 @@ def test_streamed_stop_matching_equals_whole_text_matching(text, stops, cuts):
             break
     if len(bounds) == 1:
         out, hit = m.feed("", final=True)
-    hits = [text.find(s) for s in stops if s in text]
-    expected = text[: min(hits)] if hits else text
-    assert out == expected and hit == bool(hits)
+    # Whole-text oracle: scan end positions; the first stop to complete wins.
+    expected, stopped = text, False
+    for end in range(1, len(text) + 1):
+        done = [end - len(s) for s in stops if text[:end].endswith(s)]
+        if done:
+            expected, stopped = text[: min(done)], True
+            break
+    assert out == expected and hit == stopped
 
 
 # ---------------------------------------------------------------- warm-up rules

@@ -19,9 +19,9 @@ class StopMatcher:
         """Returns (text to emit, stopped). After a stop, the rest is dropped."""
         buf = self._held + text
         self._held = ""
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            return buf[: min(hits)], True
+        cut = first_stop(buf, self.stops)
+        if cut is not None:
+            return buf[:cut], True
         if final or not self.stops:
             return buf, False
         keep = self._partial_tail(buf)
@@ -44,3 +44,19 @@ class StopMatcher:
                     longest = k
                     break
         return longest
+
+
+def first_stop(text: str, stops: list[str]) -> int | None:
+    """Where `text` is cut by the stop string that completes first, or None.
+
+    Generation stops as soon as any stop string is complete, so the match
+    that ends earliest wins (the longest one, among those ending together).
+    """
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0:
+            key = (i + len(s), i)
+            if best is None or key < best:
+                best = key
+    return None if best is None else best[1]
