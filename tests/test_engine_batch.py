@@ -242,3 +242,27 @@ def test_requests_queued_during_a_failed_warmup_get_an_error(loaded, tmp_path):
     state = eng.readiness.get()
     assert state.status == "failed" and "simulated accelerator fault" in state.reason
     eng.stop()
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [KVConfig(bits=4, max_kv_size=32), KVConfig(), KVConfig(key_bits=8, value_bits=4)],
+    ids=["max-kv-size", "unquantized", "split-bits"],
+)
+def test_other_kv_settings_warm_up_and_serve(loaded, kv):
+    model, tokenizer = loaded[0], loaded[1]
+    plan = plan_kv(model, kv, batch=True)
+    eng = Engine(model, tokenizer, plan, kv, EngineOptions(max_context=plan.max_context))
+    eng.start()
+    try:
+        assert eng.readiness.ready_event.wait(WAIT_S)
+        state = eng.readiness.get()
+        assert state.status == "ready", state.reason
+        assert state.report["sequence_tokens"] > (plan.max_window or 0)
+        long_prompt = tokenizer.encode(" ".join(["river bridge mountain"] * 20))
+        assert len(long_prompt) > 32
+        c = submit(eng, long_prompt, max_tokens=8).wait()
+        assert isinstance(c.end, FinishEvent)
+        assert c.end.usage.completion_tokens == len(c.tokens)
+    finally:
+        eng.stop()

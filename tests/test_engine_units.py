@@ -202,15 +202,16 @@ def test_verify_warmup_requires_every_kv_kind_quantized():
     kv = KVConfig(bits=4)
     spec = warmup_spec(8, kv, None)
     ok = [_slot("sliding", tokens=8), _slot("full")]
-    report = verify_warmup(kv, {"full", "sliding", "shared"}, ok, ok, 20, spec)
+    report = verify_warmup(kv, 2, ok, ok, 20, spec)
     assert report["batch"]["sliding"]["quantized"] == 1
     with pytest.raises(Exception, match="sliding caches were not quantized"):
-        verify_warmup(kv, {"full", "sliding"}, [_slot("sliding", False), _slot("full")], ok, 20,
-                      spec)  # fmt: skip
-    with pytest.raises(Exception, match="never appeared"):
-        verify_warmup(kv, {"full", "sliding"}, [_slot("full")], ok, 20, spec)
+        verify_warmup(kv, 2, [_slot("sliding", False), _slot("full")], ok, 20, spec)
+    with pytest.raises(Exception, match="the batch held 1 KV caches, the plan has 2"):
+        verify_warmup(kv, 2, [_slot("full")], ok, 20, spec)
     with pytest.raises(Exception, match="needs >"):
-        verify_warmup(kv, {"full"}, ok, ok, 5, spec)
+        verify_warmup(kv, 2, ok, ok, 5, spec)
+    unquantized = [_slot("sliding", False), _slot("full", False)]
+    verify_warmup(KVConfig(), 2, unquantized, unquantized, 20, spec)  # --kv-bits 0
 
 
 class _NoStartBatch:

@@ -435,7 +435,7 @@ class Engine:
         try:
             report = verify_warmup(
                 self.kv_config,
-                set(getattr(self.plan, "kinds", ()) or ()),
+                _kv_slots(self.plan),
                 batch_report,
                 self.cache_report(longest_cache),
                 longest,
@@ -454,3 +454,9 @@ class Engine:
         self._publish()
         log.info("warm-up done in %.2fs: %s", report["seconds"], report["batch"])
         return True
+
+
+def _kv_slots(plan: Any) -> int | None:
+    """How many KV cache slots the plan has (None if it does not say)."""
+    layers = getattr(plan, "kv_layers", None)
+    return None if layers is None else len(layers)

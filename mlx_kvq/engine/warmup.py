@@ -97,7 +97,7 @@ def summarize(report: list[dict]) -> dict[str, dict[str, Any]]:
 
 def verify_warmup(
     kv: KVConfig,
-    plan_kinds: set[str],
+    kv_slots: int | None,
     batch_report: list[dict],
     extracted_report: list[dict],
     sequence_tokens: int,
@@ -108,9 +108,9 @@ def verify_warmup(
     problems = []
     if sequence_tokens <= spec.must_exceed:
         problems.append(f"sequence reached {sequence_tokens} tokens, needs > {spec.must_exceed}")
-    missing = (set(plan_kinds) & set(KV_KINDS)) - set(batch)
-    if missing:
-        problems.append(f"cache kinds {sorted(missing)} never appeared in the batch")
+    seen = sum(k["slots"] for kind, k in batch.items() if kind in KV_KINDS)
+    if kv_slots is not None and seen != kv_slots:
+        problems.append(f"the batch held {seen} KV caches, the plan has {kv_slots}")
     if kv.enabled and not kv.allow_partial:
         for where, kinds in (("batch", batch), ("extracted", extracted)):
             for kind, s in kinds.items():
