@@ -465,3 +465,63 @@ def test_convert_filled_batch_caches(decode):
             check_fetch(q.update_and_fetch(k, v), ref.update_and_fetch(k, v), "batch convert")
         for i in range(3):
             check_fetch(q.extract(i).keys_and_values(), ref.extract(i).keys_and_values(), "ex")
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_convert_batch_between_prepare_and_finalize(windowed):
+    """Conversion in the middle of a right-padded prompt keeps the pending
+    padding, and the twin shares no array with the original."""
+    from mlx_kvq.caches import quantize_cache
+
+    data = Data(11)
+    singles = [
+        _filled(C.RotatingKVCache(10) if windowed else C.KVCache(), data, n, 0) for n in (3, 5)
+    ]
+    ref = type(singles[0]).merge(singles)
+    ref.prepare(lengths=[4, 2], right_padding=[0, 2])
+    ref.update_and_fetch(*data.kv(2, 4))
+    q = quantize_cache(ref, QuantSpec(8), QuantSpec(8))
+    ref.finalize()
+    q.finalize()
+    _check_batch_state(q, ref, windowed)
+    check_fetch(q.keys_and_values(), ref.keys_and_values(), "finalized after convert")
+    for _ in range(12):
+        assert mask_equal(q.make_mask(1), ref.make_mask(1))
+        k, v = data.kv(2, 1)
+        check_fetch(q.update_and_fetch(k, v), ref.update_and_fetch(k, v), "decode after convert")
+        _check_batch_state(q, ref, windowed)
+
+
+@pytest.mark.parametrize("kind", ["rotating", "batch", "batch_rotating"])
+def test_converted_raw_twin_does_not_alias_original(kind):
+    """Below quantized_kv_start the twin stores raw arrays: writing to it
+    must not write into the original cache (and vice versa)."""
+    from mlx_kvq.caches import quantize_cache
+
+    data = Data(12)
+    if kind == "rotating":
+        ref = _filled(C.RotatingKVCache(8), data, 5, 5)  # ring full: writes go in place
+        b = 1
+    else:
+
+        def single():
+            return C.RotatingKVCache(8) if kind == "batch_rotating" else C.KVCache()
+
+        ref = type(single()).merge([_filled(single(), data, 6, 4), _filled(single(), data, 3, 0)])
+        ref.update_and_fetch(*data.kv(2, 1))
+        b = 2
+    mx.eval(ref.state)
+    snapshot = [mx.array(np.array(x)) for x in tree_flatten_arrays(ref.state)]
+    q = quantize_cache(ref, QuantSpec(4), QuantSpec(4), start=1000)
+    assert not q.quantized
+    for _ in range(3):
+        q.update_and_fetch(*data.kv(b, 1))
+    mx.eval(q.state)
+    after = tree_flatten_arrays(ref.state)
+    assert all(mx.array_equal(x, y).item() for x, y in zip(snapshot, after, strict=True))
+
+
+def tree_flatten_arrays(state) -> list:
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(state) if isinstance(v, mx.array)]

@@ -38,24 +38,33 @@ class CacheKind:
     description: str = ""
 
 
+def _own(x):
+    """A distinct array object: the twin must not alias the original's arrays,
+    which both sides update in place (slice writes, mlx-lm's `+=`/`-=`)."""
+    return None if x is None else mx.array(x)
+
+
 def _batch_full(c: mlx_cache.BatchKVCache, k: QuantSpec, v: QuantSpec, start: int, hand_out: str):
     q = KVQBatchFullCache(c.left_padding.tolist(), k, v, start, hand_out)
-    q.offset, q.left_padding, q._idx = c.offset, c.left_padding, c._idx
+    q.offset, q.left_padding, q._idx = _own(c.offset), _own(c.left_padding), c._idx
+    q._right_padding = _own(getattr(c, "_right_padding", None))  # prepare() .. finalize()
     if c.keys is not None:
         q.dtype = c.keys.dtype
         specs = (k, v) if c._idx >= start else q._storage_specs()
-        q.keys, q.values = Store.encode(c.keys, specs[0]), Store.encode(c.values, specs[1])
+        q.keys = Store.encode(_own(c.keys), specs[0])
+        q.values = Store.encode(_own(c.values), specs[1])
     return q
 
 
 def _batch_window(c: mlx_cache.BatchRotatingKVCache, k: QuantSpec, v: QuantSpec, start: int, hand_out: str):
     q = KVQBatchWindowCache(c.max_size, c.left_padding.tolist(), k, v, start, hand_out)
-    q.offset, q.left_padding = c.offset, c.left_padding
-    q._idx, q._offset, q.rotated, q._lengths = c._idx, c._offset, c.rotated, c._lengths
+    q.offset, q.left_padding = _own(c.offset), _own(c.left_padding)
+    q._idx, q._offset, q.rotated, q._lengths = c._idx, c._offset, c.rotated, _own(getattr(c, "_lengths", None))
     if c.keys is not None:
         q.dtype = c.keys.dtype
         specs = (k, v) if c._offset >= start else q._storage_specs()
-        q.keys, q.values = Store.encode(c.keys, specs[0]), Store.encode(c.values, specs[1])
+        q.keys = Store.encode(_own(c.keys), specs[0])
+        q.values = Store.encode(_own(c.values), specs[1])
     return q
 
 

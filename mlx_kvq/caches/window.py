@@ -184,7 +184,9 @@ class KVQWindowCache(KVQCache):
             q.dtype = cache.keys.dtype
             q.offset, q._idx = 0, cache._idx
             kspec, vspec = q._storage_specs() if cache.offset < start else (key_spec, value_spec)
-            q.keys = Store.encode(cache.keys, kspec)
-            q.values = Store.encode(cache.values, vspec)
+            # Copies: raw storage must not alias the original's ring, which
+            # both caches write in place.
+            q.keys = Store.encode(mx.array(cache.keys), kspec)
+            q.values = Store.encode(mx.array(cache.values), vspec)
             q.offset = cache.offset
         return q
