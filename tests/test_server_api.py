@@ -31,7 +31,8 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    with ServerProcess(model_dir, "--max-tokens", "24", "--prompt-cache-size", "32") as s:
+    with ServerProcess(model_dir, "--max-tokens", "24", "--prompt-cache-size", "32",
+                       api_key="sk-api-test") as s:  # fmt: skip
         s.wait_ready()
         yield s
 
@@ -193,6 +194,12 @@ def test_conversation_turns_reuse_the_prompt_cache(client, tokenizer, server):
     m = server.metrics()
     assert m["mlx_kvq_prompt_cache_hits_total"] >= 2
     assert m["mlx_kvq_prompt_cache_entries"] > 0
+
+
+def test_api_key_flag_guards_v1_only(server):
+    assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(server.url + "/v1/models", headers=server.headers(), timeout=10).is_success
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
 def test_metrics_are_prometheus_text(server):

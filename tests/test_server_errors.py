@@ -1,7 +1,7 @@
 """Bad input gets a 4xx with OpenAI's error body, and the server stays up.
 
 Each bad request is followed by a valid one that succeeds; the server runs
-with `--api-key` and a small `--max-request-bytes`.
+with an API key (from MLX_KVQ_API_KEY) and a small `--max-request-bytes`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ OK_BODY = {"model": "default_model", "messages": [{"role": "user", "content": "h
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = save_tiny_model(tmp_path_factory.mktemp("errors") / "m", "llama:sliding")
-    with ServerProcess(path, "--max-request-bytes", str(MAX_BODY), api_key=KEY) as s:
+    # The key comes from MLX_KVQ_API_KEY here; test_server_api passes --api-key.
+    with ServerProcess(path, "--max-request-bytes", str(MAX_BODY), api_key=KEY,
+                       api_key_via_env=True) as s:  # fmt: skip
         s.wait_ready()
         yield s
 

@@ -51,10 +51,12 @@ class ServerProcess:
         *args: str,
         env: dict[str, str] | None = None,
         api_key: str | None = None,
+        api_key_via_env: bool = False,
     ):
         self.model = model
         self.args = list(args)
         self.api_key = api_key
+        self.api_key_via_env = api_key_via_env
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.extra_env = env or {}
@@ -67,7 +69,7 @@ class ServerProcess:
         if self.model is not None:
             cmd += ["--model", str(self.model)]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
-        if self.api_key:
+        if self.api_key and not self.api_key_via_env:
             cmd += ["--api-key", self.api_key]
         return cmd + self.args
 
@@ -76,6 +78,9 @@ class ServerProcess:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p
         )
+        env.pop("MLX_KVQ_API_KEY", None)
+        if self.api_key and self.api_key_via_env:
+            env["MLX_KVQ_API_KEY"] = self.api_key
         env.update(self.extra_env)
         self.proc = subprocess.Popen(
             self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
