@@ -10,6 +10,7 @@ and agree on offsets and ring indices.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import mlx.core as mx
@@ -92,13 +93,26 @@ def check_masks(ours, ref, n: int, windows, what: str) -> None:
             assert mask_equal(a, b), (what, n, ws, ra, a, b)
 
 
+def _reload(ours, how: int, data: Data, b: int = 1):
+    """Continue with a restored (`from_state`, how=0) or deep-copied (how=1)
+    cache. A deep copy must be independent: the original keeps being written."""
+    mx.eval(ours.state)
+    if how == 0:
+        return type(ours).from_state(ours.state)
+    new = copy.deepcopy(ours)
+    if not ours.empty():
+        ours.update_and_fetch(*data.kv(b, 1))
+        mx.eval(ours.state)
+    return new
+
+
 # -- single sequence: full ------------------------------------------------------
 single_ops = st.lists(
     st.one_of(
         st.tuples(st.just("prefill"), st.integers(2, 12)),
         st.tuples(st.just("decode"), st.integers(1, 6)),
         st.tuples(st.just("trim"), st.integers(1, 6)),
-        st.tuples(st.just("reload"), st.just(0)),
+        st.tuples(st.just("reload"), st.integers(0, 1)),
     ),
     min_size=1,
     max_size=14,
@@ -123,8 +137,7 @@ def test_full_cache_matches_kvcache(specs, ops, start, hand_out, seed):
             assert ours.is_trimmable() and ref.is_trimmable()
             assert ours.trim(n) == ref.trim(n)
         elif op == "reload":
-            mx.eval(ours.state)
-            ours = KVQFullCache.from_state(ours.state)
+            ours = _reload(ours, n, data)
         else:
             for _ in range(1 if op == "prefill" else n):
                 m = n if op == "prefill" else 1
@@ -182,8 +195,7 @@ def test_window_cache_matches_rotating(specs, ops, max_size, keep, start, seed):
             if ref.is_trimmable():
                 assert ours.trim(n) == ref.trim(n) == where.trim(n)
         elif op == "reload":
-            mx.eval(ours.state)
-            ours = KVQWindowCache.from_state(ours.state)
+            ours = _reload(ours, n, data)
         else:
             for _ in range(1 if op == "prefill" else n):
                 m = n if op == "prefill" else 1
@@ -220,8 +232,7 @@ def test_chunked_cache_matches_chunked(specs, ops, chunk, seed):
         if op == "trim":
             assert ours.trim(n) == ref.trim(n)
         elif op == "reload":
-            mx.eval(ours.state)
-            ours = KVQChunkedCache.from_state(ours.state)
+            ours = _reload(ours, n, data)
         else:
             for _ in range(1 if op == "prefill" else n):
                 m = n if op == "prefill" else 1
@@ -242,7 +253,7 @@ batch_ops = st.lists(
         st.tuples(st.just("extend"), st.integers(0, 2**16)),
         st.tuples(st.just("extract"), st.integers(0, 2**16)),
         st.tuples(st.just("right_padded"), st.integers(0, 2**16)),
-        st.tuples(st.just("reload"), st.just(0)),
+        st.tuples(st.just("reload"), st.integers(0, 1)),
     ),
     min_size=1,
     max_size=10,
@@ -351,8 +362,7 @@ def _run_batch(specs, ops, seed, windowed: bool, max_size: int = 12):
             if ref.keys is not None:
                 check_fetch(ours.keys_and_values(), ref.keys_and_values(), "finalized")
         elif op == "reload":
-            mx.eval(ours.state)
-            ours = type(ours).from_state(ours.state)
+            ours = _reload(ours, arg, data, b)
         _check_batch_state(ours, ref, windowed)
 
 

@@ -4,6 +4,8 @@ to quantized storage at `quantized_kv_start`, and what it hands the model.
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
@@ -35,6 +37,18 @@ class KVQCache(_BaseCache):
         self.hand_out = hand_out
         self.keys: Store | None = None
         self.values: Store | None = None
+
+    def __deepcopy__(self, memo) -> KVQCache:
+        """An independent copy (mlx-lm's prompt cache and BatchGenerator use
+        `copy.deepcopy`). `mx.Dtype` cannot be deep-copied (nor pickled); it is
+        immutable, so the copy shares it."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if not isinstance(value, mx.Dtype):
+                value = copy.deepcopy(value, memo)
+            setattr(new, name, value)
+        return new
 
     # -- storage mode -------------------------------------------------------
     @property
