@@ -100,6 +100,12 @@ def _mib(n: int) -> str:
 
 # -- generate ----------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .distributed import launched
+
+    if launched():  # one rank of an `mlx.launch` group: sharded load, plan on every rank
+        from .distributed.generate import cli_generate
+
+        return cli_generate(args)
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.sample_utils import make_sampler
@@ -195,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-draft-tokens", type=int, default=3)
     g.add_argument("--prompt-cache-file", default=None, help="prompt cache from `mlx-kvq cache-prompt`")
     g.add_argument("--verbose", action="store_true", help="print the whole plan table")
+    g.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: pipeline parallel (layers split over ranks) instead of "
+                   "tensor parallel (heads split over ranks), as in mlx-lm")
     add_kv_args(g, default_bits)
     g.set_defaults(func=cmd_generate)
 

@@ -134,6 +134,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--warmup-gate", default=None, help=argparse.SUPPRESS)
     add_kv_args(parser, DEFAULT_KV_CONFIG.bits)
+    from mlx_kvq.distributed.serve import add_args as add_distributed_args
+
+    add_distributed_args(parser)  # --pipeline, --distributed-step-timeout
 
 
 def _fail(message: str) -> int:
@@ -166,7 +169,12 @@ def serve(args: argparse.Namespace) -> int:
     )
     from mlx_kvq.cli import kv_config_from_args
     from mlx_kvq.config import UnsupportedKVConfig
+    from mlx_kvq.distributed import launched
 
+    if launched():  # one rank of an mlx.launch group: see mlx_kvq/distributed/serve.py
+        from mlx_kvq.distributed.serve import serve as serve_rank
+
+        return serve_rank(args)
     try:
         kv_config = kv_config_from_args(args)
         _check_numbers(args)

@@ -95,6 +95,9 @@ class EngineCollector(Collector):
         yield _gauge(
             "mlx_peak_memory_bytes", "MLX peak memory of this process", mx.get_peak_memory()
         )
+        extra = getattr(self.engine, "extra_metrics", None)  # per-rank families (distributed)
+        if extra is not None:
+            yield from extra()
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -1,0 +1,299 @@
+"""Run mlx-kvq as a 2-rank group on loopback, for tests and by hand.
+
+Two ways to start a group, both on the ring backend over 127.0.0.1:
+
+- `mlx_launch(...)`: through `mlx.launch --backend ring -n N`, exactly as a
+  user would (the launcher tears the whole group down when a rank exits
+  non-zero);
+- `RankGroup`: one process per rank started directly with the two variables
+  `mlx.launch` sets (MLX_RANK, MLX_HOSTFILE), as a per-host process manager
+  would; a rank can then be killed and the others observed.
+
+`python -m mlx_kvq.testing.distributed ARGS :: ARGS ...` runs several
+`mlx-kvq` command lines one after the other in the same processes (one group,
+imports paid once), printing `### run I exit RC` on rank 0 after each.
+Nothing here asserts timings; waits are bounded so a broken group fails
+instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mlx_kvq.testing.server import REPO_ROOT, ServerProcess, free_port
+
+RUN_MARK = "### run"
+
+
+def free_port_run(n: int = 2, tries: int = 200) -> int:
+    """A port p such that p .. p+n-1 are free on 127.0.0.1 (ring ports of n ranks)."""
+    for _ in range(tries):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports found")
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.update(extra or {})
+    return env
+
+
+def mlx_launch_command(argv: list[str], n: int = 2, port: int | None = None) -> list[str]:
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    port = port or free_port_run(n)
+    return [launcher, "--backend", "ring", "-n", str(n), "--starting-port", str(port), "--", *argv]
+
+
+def mlx_launch(argv: list[str], n: int = 2, timeout: float = 120.0,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run `argv` (a command line) on `n` ranks with `mlx.launch`; wait for it, bounded."""
+    cmd = mlx_launch_command(argv, n)
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env),
+        cwd=REPO_ROOT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(p)
+        out, err = p.communicate()
+        raise TimeoutError(
+            f"mlx.launch did not finish in {timeout:g} s:\n{out[-3000:]}\n{err[-3000:]}"
+        ) from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def cli_runs(*runs: list[str]) -> list[str]:
+    """The command line that runs several `mlx-kvq` invocations in one group."""
+    argv = [sys.executable, "-m", "mlx_kvq.testing.distributed"]
+    for i, run in enumerate(runs):
+        if i:
+            argv.append("::")
+        argv.extend(run)
+    return argv
+
+
+def split_runs(stdout: str) -> list[tuple[int, str]]:
+    """(exit code, rank 0's output) of each run, from a `cli_runs` launch."""
+    out, chunk = [], []
+    for line in stdout.split("\n"):  # not splitlines(): generated text may hold \x1c-\x1e
+        if line.startswith(RUN_MARK):
+            out.append((int(line.rsplit(" ", 1)[1]), "\n".join(chunk)))
+            chunk = []
+        else:
+            chunk.append(line)
+    return out
+
+
+def _kill_group(p: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# -- servers -----------------------------------------------------------------
+class LaunchedServer(ServerProcess):
+    """`mlx-kvq serve` on 2 ranks through `mlx.launch`; rank 0 serves HTTP."""
+
+    def __init__(self, model: str | Path, *args: str, n: int = 2, **kw: Any):
+        super().__init__(model, *args, **kw)
+        self.n = n
+
+    def command(self) -> list[str]:
+        return mlx_launch_command(super().command(), self.n)
+
+    def start(self) -> LaunchedServer:
+        self.proc = subprocess.Popen(
+            self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+            env=_env(self.extra_env), cwd=REPO_ROOT, start_new_session=True,
+        )  # fmt: skip
+        return self
+
+    def rank_pids(self) -> dict[int, int]:
+        """pid of each rank's python process (children of the launcher's shells)."""
+        return _rank_pids(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            _kill_group(self.proc, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                _kill_group(self.proc)
+                self.proc.wait(5)
+
+
+def _rank_pids(root: int) -> dict[int, int]:
+    """Find processes below `root` whose environment says MLX_RANK=r."""
+    found: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(d.name)) != os.getsid(root):
+                continue
+            env = (d / "environ").read_bytes().split(b"\0")
+            cmdline = (d / "cmdline").read_bytes()
+        except (OSError, ProcessLookupError):
+            continue
+        if b"mlx_kvq" not in cmdline:
+            continue
+        for item in env:
+            if item.startswith(b"MLX_RANK="):
+                found[int(item.split(b"=", 1)[1])] = int(d.name)
+    return found
+
+
+class RankGroup(ServerProcess):
+    """`mlx-kvq serve` as one process per rank, started without `mlx.launch`."""
+
+    def __init__(self, model: str | Path, *args: str, n: int = 2, **kw: Any):
+        super().__init__(model, *args, **kw)
+        self.n = n
+        self.procs: list[subprocess.Popen] = []
+        self._logs = [tempfile.NamedTemporaryFile("w+", prefix=f"mlx-kvq-rank{r}-", suffix=".log")
+                      for r in range(n)]  # fmt: skip
+        self._hostfile = tempfile.NamedTemporaryFile("w", prefix="mlx-kvq-hosts-", suffix=".json")
+
+    def start(self) -> RankGroup:
+        base = free_port_run(self.n)
+        json.dump([[f"127.0.0.1:{base + r}"] for r in range(self.n)], self._hostfile)
+        self._hostfile.flush()
+        for r in range(self.n):
+            env = _env({**self.extra_env, "MLX_RANK": str(r), "MLX_HOSTFILE": self._hostfile.name})
+            self.procs.append(subprocess.Popen(
+                self.command(), stdout=self._logs[r], stderr=subprocess.STDOUT, env=env,
+                cwd=REPO_ROOT, start_new_session=True,
+            ))  # fmt: skip
+        self.proc = self.procs[0]
+        return self
+
+    def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        self.procs[rank].send_signal(sig)
+        self.procs[rank].wait(15)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 15
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+        for f in self._logs:
+            f.close()
+        self._hostfile.close()
+        self._log.close()
+
+    def log(self, rank: int = 0) -> str:
+        self._logs[rank].flush()
+        return Path(self._logs[rank].name).read_text(errors="replace")
+
+
+# -- tiny models, made once per process -----------------------------------------
+_TINY: dict[str, Path] = {}
+_TINY_ROOT: tempfile.TemporaryDirectory | None = None
+
+
+def tiny_model(model_type: str) -> Path:
+    """A tiny float32 model directory for `model_type` (kv heads 2, head_dim 64),
+    written once per process and shared by every test that asks."""
+    global _TINY_ROOT
+    if model_type not in _TINY:
+        from mlx_kvq.testing.tiny import save_tiny_model
+
+        if _TINY_ROOT is None:
+            _TINY_ROOT = tempfile.TemporaryDirectory(prefix="mlx-kvq-dist-models-")
+        _TINY[model_type] = save_tiny_model(Path(_TINY_ROOT.name) / model_type, model_type)
+    return _TINY[model_type]
+
+
+# -- several CLI runs in one group -------------------------------------------
+FAIL_PLAN = "@fail-plan-on-rank="  # first word of a run: make planning fail on that rank
+
+
+def _fail_plan_on(rank: int):
+    """Make `plan_kv` refuse on `rank` only (a rank that cannot honour the plan)."""
+    from mlx_kvq.config import UnsupportedKVConfig
+    from mlx_kvq.distributed import planning, world
+
+    original = planning.plan_kv
+
+    def refuse(*a, **kw):
+        if world().rank() == rank:
+            raise UnsupportedKVConfig(f"injected for the test: rank {rank} cannot hold its caches")
+        return original(*a, **kw)
+
+    planning.plan_kv = refuse
+    return lambda: setattr(planning, "plan_kv", original)
+
+
+def main(argv: list[str]) -> int:
+    from mlx_kvq.cli import main as cli_main
+    from mlx_kvq.distributed import world
+
+    runs, current = [], []
+    for a in argv:
+        if a == "::":
+            runs.append(current)
+            current = []
+        else:
+            current.append(a)
+    runs.append(current)
+    worst = 0
+    for i, run in enumerate(runs):
+        restore = None
+        if run and run[0].startswith(FAIL_PLAN):  # this run: planning fails on one rank
+            restore = _fail_plan_on(int(run.pop(0).split("=", 1)[1]))
+        try:
+            rc = cli_main(run)
+        except SystemExit as e:
+            rc = int(e.code or 0)
+        finally:
+            if restore is not None:
+                restore()
+        sys.stdout.flush()
+        if world().rank() == 0:
+            print(f"{RUN_MARK} {i} exit {rc}", flush=True)
+        worst = max(worst, rc)
+        if rc:  # the group is not usable after a failed run
+            break
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
