@@ -272,11 +272,12 @@ def _flatten(caches: list) -> list[tuple[int, int | None, object]]:
     return out
 
 
-def build_caches(model, plan: KVPlan) -> list:
-    """Quantized caches for one sequence following `plan`."""
-    proto = _prototype(model, None if plan.config.max_kv_size is None else plan.config.max_kv_size)
+def build_caches(model, plan: KVPlan, start: int | None = None) -> list:
+    """Quantized caches for one sequence following `plan` (`start` overrides
+    the plan's `quantized_kv_start`)."""
+    proto = _prototype(model, plan.config.max_kv_size)
     by_slot = {(p.slot, p.member): p for p in plan.layers}
-    start = plan.config.quantized_start
+    start = plan.config.quantized_start if start is None else start
 
     def convert(slot: int, member: int | None, c):
         p = by_slot[(slot, member)]
@@ -465,7 +466,9 @@ def _check_hand_out(model, plan: KVPlan) -> None:
     errors = []
     for mode in modes:
         plan.layers = [_replace(p, hand_out=mode) if p.quantized else p for p in plan.layers]
-        caches = build_caches(model, plan)
+        # Quantized from the first token, whatever `quantized_kv_start` says:
+        # the probe is short and must exercise the quantized path.
+        caches = build_caches(model, plan, start=0)
         try:
             counts, _ = _probe(model, caches)
         except Exception as e:

@@ -252,12 +252,6 @@ def test_quantized_kv_start(models):
     assert counts["quantized"] + counts["full_precision"] > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="plan.py: the hand-out probe runs the planned caches, which are still raw "
-    "below quantized_kv_start, so no slot reaches quantized attention and every model "
-    "falls back to dequantized hand-out (and the plan notes 'model code needs arrays')",
-)
 def test_quantized_kv_start_attends_packed_after_start(models):
     model = models["gemma3_text"]
     cache = mlx_kvq.make_prompt_cache(model, kv_bits=4, quantized_kv_start=20)
