@@ -63,11 +63,15 @@ class QuantSpec:
             return
         at = f" at {where}" if where else ""
         if dim % self.group_size:
+            fits = [g for g in SUPPORTED_GROUP_SIZES if dim % g == 0]
+            fix = (
+                f"use --kv-group-size {max(fits)}"
+                if fits
+                else "no supported group size divides it: leave the layer unquantized "
+                "(--allow-partial-kv --kv-skip-layers)"
+            )
             raise UnsupportedKVConfig(
-                f"head dimension {dim}{at} is not divisible by kv group size "
-                f"{self.group_size}; use --kv-group-size "
-                f"{max((g for g in SUPPORTED_GROUP_SIZES if dim % g == 0), default=32)}"
-                " or leave this layer unquantized"
+                f"head dimension {dim}{at} is not divisible by kv group size {self.group_size}; {fix}"
             )
         if (dim * self.bits) % 32:
             raise UnsupportedKVConfig(
@@ -89,8 +93,6 @@ class KVConfig:
     `bits` is `--kv-bits`; `key_bits`/`value_bits` override it per tensor.
     `quantized_start` is `--quantized-kv-start`: caches hold full precision
     until they reach that many tokens, then convert in place.
-    `recent` keeps the most recent tokens of full-attention layers in full
-    precision (KIVI-style residual), for low-bit settings.
     """
 
     bits: int | None = None
