@@ -93,13 +93,6 @@ def test_refused_settings_exit_before_the_port_opens(tmp_path):
         httpx.get(s.url + "/live", timeout=2)
 
 
-def test_bad_numbers_exit_before_loading(tmp_path):
-    s = ServerProcess(tmp_path / "does-not-matter", "--kv-bits", "7")
-    with s:
-        assert s.run_to_exit() == 2
-        assert "kv bits must be one of" in s.log()
-
-
 def test_without_model_serves_the_demo_or_says_why(tmp_path):
     try:
         from mlx_kvq.demo import demo_model_path
