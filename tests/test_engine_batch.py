@@ -73,8 +73,9 @@ def loaded(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(loaded):
     model, tokenizer, plan, kv = loaded
-    eng = Engine(model, tokenizer, plan, kv, EngineOptions(prompt_cache_size=8,
-                                                           max_context=plan.max_context))
+    eng = Engine(
+        model, tokenizer, plan, kv, EngineOptions(prompt_cache_size=8, max_context=plan.max_context)
+    )
     eng.start()
     assert eng.readiness.ready_event.wait(WAIT_S)
     assert eng.readiness.ready, eng.readiness.get()

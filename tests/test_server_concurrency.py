@@ -67,7 +67,9 @@ def test_sixteen_streaming_clients_are_batched(server, model_dir):
                     text += c.delta.content or ""
                     counted += len(c.logprobs.content) if c.logprobs and c.logprobs.content else 0
                     reason = c.finish_reason or reason
-            expected_prompt = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            expected_prompt = len(
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            )
             results[i] = (usage, counted, reason, expected_prompt)
         except Exception as e:  # reported below with the client number
             errors.append((i, repr(e)))
@@ -146,13 +148,16 @@ def test_client_disconnect_mid_stream_releases_its_sequence(server):
 
 def test_non_streaming_client_disconnect_is_cancelled(server):
     m0 = server.metrics()
-    ended0 = m0['mlx_kvq_requests_total{status="cancelled"}'] + m0['mlx_kvq_requests_total{status="ok"}']
+    ended0 = (
+        m0['mlx_kvq_requests_total{status="cancelled"}'] + m0['mlx_kvq_requests_total{status="ok"}']
+    )
     body = json.dumps({"messages": [{"role": "user", "content": "A long answer please."}],
                        "max_tokens": 480}).encode()  # fmt: skip
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
     sock.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json"
-        + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+        + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
     )
     wait_metrics(server, lambda m: m["mlx_kvq_batch_size"] >= 1 or m["mlx_kvq_steps_total"]
                  > m0["mlx_kvq_steps_total"] + 5, "the request to be decoded")  # fmt: skip
@@ -160,9 +165,12 @@ def test_non_streaming_client_disconnect_is_cancelled(server):
     # Cancelled once the server notices (or finished first, on a fast machine).
     m = wait_metrics(
         server,
-        lambda m: m['mlx_kvq_requests_total{status="cancelled"}']
-        + m['mlx_kvq_requests_total{status="ok"}'] == ended0 + 1
-        and m["mlx_kvq_batch_size"] == 0,
+        lambda m: (
+            m['mlx_kvq_requests_total{status="cancelled"}']
+            + m['mlx_kvq_requests_total{status="ok"}']
+            == ended0 + 1
+            and m["mlx_kvq_batch_size"] == 0
+        ),
         "the abandoned request to end",
     )
     assert m["mlx_kvq_kv_bytes_live"] == 0

@@ -75,9 +75,7 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p
-        )
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         env.pop("MLX_KVQ_API_KEY", None)
         if self.api_key and self.api_key_via_env:
             env["MLX_KVQ_API_KEY"] = self.api_key
@@ -131,7 +129,11 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             else:
-                if path == "/health" and r.status_code == 503 and r.json().get("status") == "failed":
+                if (
+                    path == "/health"
+                    and r.status_code == 503
+                    and r.json().get("status") == "failed"
+                ):
                     raise RuntimeError(f"engine failed: {r.json()}:\n{self.log()[-4000:]}")
             time.sleep(0.05)
         raise TimeoutError(f"{path} never answered {status} (last: {last}):\n{self.log()[-4000:]}")
