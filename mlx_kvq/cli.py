@@ -132,14 +132,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print("=" * 10)
 
     prompt = args.prompt.replace("\\n", "\n")
-    if not args.ignore_chat_template and tokenizer.chat_template is not None:
+    use_template = not args.ignore_chat_template and tokenizer.chat_template is not None
+    if prompt_cache is not None:
+        # The file holds the prefix; the prompt continues it as plain text.
+        print(f"prompt cache: {meta.get('tokens', '?')} tokens of {args.prompt_cache_file!r}")
+    elif use_template:
         messages = [{"role": "user", "content": prompt}]
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if prompt_cache is not None and args.prompt_cache_file:
-        cached_prompt = meta.get("prompt") if meta else None
-        if cached_prompt and prompt.startswith(cached_prompt):
-            prompt = prompt[len(cached_prompt):]
-    tokens = tokenizer.encode(prompt, add_special_tokens=prompt_cache is None)
+    tokens = tokenizer.encode(prompt, add_special_tokens=prompt_cache is None and not use_template)
 
     cache = prompt_cache
     if cache is None and cfg.enabled and draft is None:
@@ -170,6 +170,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
     if cache is not None:
         print(f"KV bytes held: {held} ({held / 2**20:.2f} MiB)")
+    return 0
+
+
+# -- cache-prompt ------------------------------------------------------------
+def cmd_cache_prompt(args: argparse.Namespace) -> int:
+    """Process a prefix once and save its (quantized) caches, like mlx_lm.cache_prompt."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .caches import cache_report
+    from .generate import get_plan, save_prompt_cache
+    from .plan import plan_kv
+
+    cfg = kv_config_from_args(args)
+    path = _model_path(args)
+    if cfg.enabled:
+        plan_kv(path, cfg)
+    model, tokenizer = load(str(path))
+    plan = get_plan(model, cfg) if cfg.enabled else None
+    print(plan.summary() if plan else "KV cache: unquantized")
+    cache = plan.make_cache() if plan else make_prompt_cache(model, max_kv_size=cfg.max_kv_size)
+    tokens = mx.array(tokenizer.encode(args.prompt.replace("\\n", "\n")))
+    for start in range(0, tokens.size, args.prefill_step_size):
+        model(tokens[None, start : start + args.prefill_step_size], cache=cache)
+        mx.eval([c.state for c in cache])
+    save_prompt_cache(
+        args.prompt_cache_file, cache,
+        {"model": str(path), "tokens": str(tokens.size), "kv": cfg.describe()},
+    )  # fmt: skip
+    held = sum(r["nbytes"] for r in cache_report(cache))
+    print(f"saved {tokens.size} tokens to {args.prompt_cache_file} ({held} KV bytes held)")
     return 0
 
 
@@ -206,6 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "tensor parallel (heads split over ranks), as in mlx-lm")
     add_kv_args(g, default_bits)
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("cache-prompt", help="process a prefix once and save its quantized caches")
+    c.add_argument("--model", default=None, help="model directory (default: embedded demo model)")
+    c.add_argument("--prompt", "-p", required=True, help="the prefix to cache (plain text)")
+    c.add_argument("--prompt-cache-file", required=True, help="where to write the .safetensors file")
+    c.add_argument("--prefill-step-size", type=int, default=2048)
+    add_kv_args(c, default_bits)
+    c.set_defaults(func=cmd_cache_prompt)
 
     _add_optional(sub, "serve", "OpenAI-compatible server", "mlx_kvq.server.main", "add_serve_args", "serve")
     _add_optional(sub, "eval", "perplexity/KL/top-1 against unquantized", "mlx_kvq.evaluate", "add_eval_args", "run_eval")

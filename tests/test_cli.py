@@ -72,3 +72,37 @@ def test_generate_prints_plan_and_kv_bytes(tmp_path):
     assert any(line.startswith("Generation: ") for line in lines)
     held = [line for line in lines if line.startswith("KV bytes held: ")]
     assert held and int(held[0].split()[3]) > 0
+
+
+def test_prompt_cache_file_with_quantized_windows(tmp_path):
+    from mlx_kvq.generate import load_prompt_cache
+    from mlx_kvq.testing.tiny import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "m", "gemma3_text")
+    cache_file = tmp_path / "prefix.safetensors"
+    prefix = "The quick brown fox jumps over the lazy dog while the server warms up."
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "mlx_kvq.cli", *args, "--model", str(path)],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+
+    made = run("cache-prompt", "--prompt", prefix, "--prompt-cache-file", str(cache_file), "--kv-bits", "4")
+    assert made.returncode == 0, made.stderr
+    cache = load_prompt_cache(str(cache_file))
+    kinds = {type(c).__name__ for c in cache}
+    assert kinds == {"KVQWindowCache", "KVQFullCache"}
+    assert all(c.quantized for c in cache)
+    window = next(c for c in cache if type(c).__name__ == "KVQWindowCache")
+    assert window.offset > window.max_size  # the ring wrapped inside the prefix
+
+    ok = run("generate", "--prompt", " And", "--prompt-cache-file", str(cache_file),
+             "--kv-bits", "4", "--max-tokens", "5")  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert "Generation: " in ok.stdout
+
+    mismatch = run("generate", "--prompt", " And", "--prompt-cache-file", str(cache_file),
+                   "--kv-bits", "8", "--max-tokens", "5")  # fmt: skip
+    assert mismatch.returncode == 2
+    assert "layer 0 was stored as sliding K 4b/g64" in mismatch.stderr
