@@ -389,7 +389,7 @@ def plan_kv(
     except Exception as e:  # the model itself does not run: nothing to do with KV
         raise UnsupportedKVConfig(f"{model_type}: probe forward pass failed: {e!r}") from e
     shaped = []
-    for p, (_, _, c) in zip(layers, flat):
+    for p, (_, _, c) in zip(layers, flat, strict=True):
         if p.is_kv and c.keys is None:
             # e.g. nemotron-nas: a cache made for an attention block the model
             # replaced by a linear layer; nothing is ever stored there.
@@ -497,7 +497,7 @@ def _slots_not_reaching_quantized_attention(plan: KVPlan, caches: list, counts) 
     seen = {key[1] for key in counts if isinstance(key, tuple) and key[0] == "cache" and key[2]}
     missing = []
     flat = _flatten(caches)
-    for p, (slot, _, c) in zip(plan.layers, flat):
+    for p, (slot, _, c) in zip(plan.layers, flat, strict=True):
         if p.quantized and id(c) not in seen and not _reaches_via_owner(c, counts):
             missing.append(slot)
     return missing

@@ -104,7 +104,7 @@ class Store:
         return self.map(lambda a: a[idx])
 
     def __setitem__(self, idx, other: Store) -> None:
-        for a, o in zip(self.parts, other.parts):
+        for a, o in zip(self.parts, other.parts, strict=True):
             a[idx] = o
 
     @property

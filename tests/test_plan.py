@@ -78,7 +78,7 @@ def test_plan_bytes_per_token_match_bytes_held():
     plan = plan_kv(model, KVConfig(bits=4))
     cache = plan.make_cache()
     model(mx.arange(256).reshape(1, -1) % 128, cache=cache)
-    for p, r in zip(plan.layers, cache_report(cache)):
+    for p, r in zip(plan.layers, cache_report(cache), strict=True):
         held_slots = cache[p.slot].keys.length
         assert r["nbytes"] == pytest.approx(p.bytes_per_token() * held_slots, rel=0.05)
 

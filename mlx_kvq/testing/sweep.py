@@ -77,7 +77,7 @@ def sweep_one(name: str, bits: int = 4) -> SweepResult:
         if checks["quantized"] != len(layer_plans) or len(leaves) != len(layer_plans):
             raise AssertionError(f"{checks['quantized']}/{len(layer_plans)} KV layers quantized")
         worst = 0.0
-        for p, c in zip(layer_plans, leaves):
+        for p, c in zip(layer_plans, leaves, strict=True):
             # A chunked cache trims in front of the next pass, so it may hold
             # the window plus the last step's token.
             bound = p.window + (1 if p.kind == "chunked" else 0) if p.window else None
