@@ -21,6 +21,7 @@ import queue
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -35,8 +36,12 @@ MAX_TOKENS = 16
 BOUND_S = 60.0  # the longest any single wait may take before the test fails
 
 
-def reference(model_dir) -> tuple[str, dict]:
-    """Single-process engine, same settings: greedy text and warm-up bytes by kind."""
+SEEDED = {"temperature": 0.9, "seed": 7}  # sampling, not greedy: the same draws on every rank
+
+
+def reference(model_dir) -> tuple[str, str, dict]:
+    """Single-process engine, same settings: greedy text, seeded-sampling text,
+    and warm-up KV bytes by cache kind."""
     from mlx_lm import load
 
     from mlx_kvq.config import KVConfig
@@ -52,28 +57,33 @@ def reference(model_dir) -> tuple[str, dict]:
     engine.start()
     try:
         assert engine.readiness.ready_event.wait(BOUND_S) and engine.readiness.ready
-        events: queue.Queue = queue.Queue()
         prompt = chat_tokens(tokenizer, MESSAGES, {}, None)
-        engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=MAX_TOKENS)), events.put)
-        text = []
-        while True:
-            ev = events.get(timeout=BOUND_S)
-            if isinstance(ev, TokenEvent):
-                text.append(ev.text)
-            elif isinstance(ev, FinishEvent):
-                break
-            else:
-                assert not isinstance(ev, ErrorEvent), ev
+        texts = []
+        for params in ({}, SEEDED):
+            events: queue.Queue = queue.Queue()
+            request = GenerationRequest(prompt, SamplingParams(max_tokens=MAX_TOKENS, **params))
+            engine.submit(request, events.put)
+            text = []
+            while True:
+                ev = events.get(timeout=BOUND_S)
+                if isinstance(ev, TokenEvent):
+                    text.append(ev.text)
+                elif isinstance(ev, FinishEvent):
+                    break
+                else:
+                    assert not isinstance(ev, ErrorEvent), ev
+            texts.append("".join(text))
         by_kind = {k: v["nbytes"] for k, v in engine.readiness.get().report["batch"].items()}
-        return "".join(text), by_kind
+        return texts[0], texts[1], by_kind
     finally:
         engine.stop()
 
 
-def chat(server) -> str:
+def chat(server, temperature: float = 0.0, seed: int | None = None) -> str:
     out = server.client().chat.completions.create(
-        model="default_model", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
-    )
+        model="default_model", messages=MESSAGES, max_tokens=MAX_TOKENS,
+        temperature=temperature, seed=seed,
+    )  # fmt: skip
     return out.choices[0].message.content
 
 
@@ -100,11 +110,12 @@ def check_ranks(health: dict, ref_by_kind: dict, mode: str) -> None:
 
 def test_tensor_parallel_server_under_mlx_launch():
     model = tiny_model("gpt_oss")
-    text, by_kind = reference(model)
+    text, sampled, by_kind = reference(model)
     with LaunchedServer(model, *KV) as server:
         health = server.wait_ready(180).json()
         check_ranks(health, by_kind, "tensor")
         assert chat(server) == text
+        assert chat(server, **SEEDED) == sampled
 
         m = server.metrics()
         assert m["mlx_kvq_distributed_ranks"] == 2
@@ -121,7 +132,7 @@ def test_tensor_parallel_server_under_mlx_launch():
             sum(by_kind.values()) / 2
         ] * 2
 
-        # mlx.launch stops every rank when one dies: the group ends, nothing hangs.
+        # mlx.launch stops every rank when one exits with an error: the group ends.
         pids = server.rank_pids()
         assert sorted(pids) == [0, 1], pids
         signal_rank(pids[1])
@@ -136,13 +147,21 @@ def signal_rank(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def test_pipeline_parallel_server_and_a_dead_rank():
+def test_pipeline_parallel_server_and_a_dead_rank(tmp_path):
     model = tiny_model("ministral3")
-    text, by_kind = reference(model)
-    with RankGroup(model, *KV, "--pipeline") as group:
+    text, sampled, by_kind = reference(model)
+    gate = tmp_path / "gate-{rank}"
+    with RankGroup(model, *KV, "--pipeline", "--warmup-gate", str(gate)) as group:
+        # Rank 1's warm-up is held back: rank 0 must not report ready.
+        Path(str(gate).replace("{rank}", "0")).touch()
+        assert group.wait_for("/health", 503, 180).json()["status"] == "warming_up"
+        time.sleep(1.0)
+        assert group.health().json()["status"] == "warming_up"
+        Path(str(gate).replace("{rank}", "1")).touch()
         health = group.wait_ready(180).json()
         check_ranks(health, by_kind, "pipeline")
         assert chat(group) == text
+        assert chat(group, **SEEDED) == sampled
 
         # A long streaming request, then rank 1 dies.
         outcome: dict = {}

@@ -103,7 +103,11 @@ class DistributedEngine(Engine):
     def fail_group(self, rank: int | None, reason: str) -> None:
         """Rank 0: a rank is lost. Fail readiness and every request, for good."""
         who = "the group" if rank is None else f"rank {rank} of {self.size}"
-        message = f"{who} is lost: {reason}; the group cannot serve until all ranks are restarted"
+        if reason.startswith("failed: "):  # the rank said why before stopping
+            what = f"{who} failed ({reason[len('failed: ') :]})"
+        else:
+            what = f"{who} is lost: {reason}"
+        message = f"{what}; the group cannot serve until all ranks are restarted"
         if self._group_failed is not None or self._stopped_normally:
             return
         self._group_failed = message

@@ -114,7 +114,8 @@ def serve(args: argparse.Namespace) -> int:
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
         max_context=plan.max_context,
-        warmup_gate=args.warmup_gate,
+        # tests: "{rank}" in the gate path holds back one rank's warm-up
+        warmup_gate=args.warmup_gate.replace("{rank}", str(rank)) if args.warmup_gate else None,
     )
     engine = DistributedEngine(
         model, tokenizer, plan, kv_config, options, heartbeat=hb, rank_infos=infos, shard=shard,

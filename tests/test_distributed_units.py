@@ -1,0 +1,88 @@
+"""Pieces of the distributed layer that need no second process."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlx_kvq.caches import KVQFullCache
+from mlx_kvq.caches.base import KVQCache
+from mlx_kvq.config import KVConfig, QuantSpec
+from mlx_kvq.distributed import loading
+from mlx_kvq.distributed.engine import GroupReadiness
+from mlx_kvq.distributed.group import exchange, gather_json
+from mlx_kvq.distributed.loading import PIPELINE, TENSOR, Shard
+from mlx_kvq.distributed.planning import group_plan_dict, local_config, ranks_table
+from mlx_kvq.quant import Store
+
+
+def test_skip_layers_name_model_layers_and_each_pipeline_rank_maps_its_own():
+    kv = KVConfig(bits=4, allow_partial=True, skip_layers=(1, 3))
+    last = Shard(PIPELINE, rank=0, size=2, first_layer=2, num_layers=2, total_layers=4)
+    first = Shard(PIPELINE, rank=1, size=2, first_layer=0, num_layers=2, total_layers=4)
+    assert local_config(kv, last).skip_layers == (1,)  # model layer 3 = its slot 1
+    assert local_config(kv, first).skip_layers == (1,)  # model layer 1 = its slot 1
+    every = Shard(TENSOR, rank=1, size=2, first_layer=0, num_layers=4, total_layers=4)
+    assert local_config(kv, every) is kv
+
+
+def test_readiness_holds_ready_until_the_group_passed_but_shows_failure_at_once():
+    r = GroupReadiness()
+    r.set_ready({"batch": {}})
+    assert r.get().status == "warming_up" and not r.ready_event.is_set()
+    r.release({"batch": {}, "ranks": []})
+    assert r.ready and r.get().report["ranks"] == []
+    r = GroupReadiness()
+    r.set_failed("rank 1 of 2 is lost")
+    assert r.get().status == "failed" and r.ready_event.is_set()
+
+
+def test_single_process_collectives_are_the_identity():
+    assert gather_json({"a": 1}) == [{"a": 1}]
+    headers, payload = exchange([0, 5], b"cmd")
+    assert headers[0][1] == 5 and payload == b"cmd"
+
+
+def test_pipeline_send_dependency_on_a_quantized_cache():
+    spec = QuantSpec(4, 64)
+    cache = KVQFullCache(spec, spec)
+    cache.update_and_fetch(mx.ones((1, 2, 3, 64)), mx.ones((1, 2, 3, 64)))
+    with pytest.raises(
+        (TypeError, RuntimeError)
+    ):  # what mlx-lm's pipeline code would hit without the shim
+        mx.depends(cache.keys, mx.array(1.0))
+    before = [mx.array(p) for p in cache.keys.parts]
+    had = "keys" in KVQCache.__dict__
+    try:
+        loading.enable_pipeline_caches()
+        cache.keys = mx.depends(cache.keys, mx.array(1.0))  # the line in mlx-lm's models
+        assert isinstance(cache.keys, Store) and cache.keys.spec == spec
+        assert all(
+            mx.array_equal(a, b).item() for a, b in zip(before, cache.keys.parts, strict=True)
+        )
+        k, _ = cache.update_and_fetch(mx.ones((1, 2, 1, 64)), mx.ones((1, 2, 1, 64)))
+        assert k.shape == (1, 2, 4, 64) and cache.offset == 4
+    finally:
+        if not had and "keys" in KVQCache.__dict__:
+            del KVQCache.keys
+        loading._ENABLED = False
+
+
+def test_group_plan_reports_every_rank():
+    def plan(kv_layers, bpt, kinds=("full",)):
+        layers = [{"slot": i, "kind": kinds[i % len(kinds)]} for i in range(kv_layers)]
+        return {"model_type": "m", "layers": layers, "kv_layers": kv_layers,
+                "quantized_layers": kv_layers, "kinds": list(kinds), "max_window": None,
+                "partial": False, "sinks": False, "notes": [], "bytes_per_token": bpt,
+                "fp16_bytes_per_token": 4 * bpt}  # fmt: skip
+
+    infos = [{"rank": 0, "mode": "pipeline", "layers": "2-3", "bytes_per_token": 10, "kv": "K",
+              "model_type": "m", "kv_heads": [2], "kv_layers": 2, "quantized_layers": 2},
+             {"rank": 1, "mode": "pipeline", "layers": "0-1", "bytes_per_token": 12, "kv": "K",
+              "model_type": "m", "kv_heads": [2], "kv_layers": 2, "quantized_layers": 2}]  # fmt: skip
+    out = group_plan_dict([plan(2, 10), plan(2, 12)], infos)
+    assert out["kv_layers"] == 4 and out["bytes_per_token"] == 22
+    assert [layer["rank"] for layer in out["layers"]] == [1, 1, 0, 0]  # model order
+    assert "2 ranks (pipeline parallel)" in out["summary"] and "10 + 12" in out["summary"]
+    table = ranks_table(infos, [100, 120])
+    assert "rank 0: layers 2-3" in table and "120 KV bytes held" in table
