@@ -14,9 +14,19 @@ import re
 
 import pytest
 
-from mlx_kvq.testing.distributed import FAIL_PLAN, cli_runs, mlx_launch, split_runs, tiny_model
+from mlx_kvq.testing.distributed import (
+    FAIL_PLAN,
+    cli_runs,
+    launcher,
+    mlx_launch,
+    split_runs,
+    tiny_model,
+)
 
-pytestmark = pytest.mark.distributed
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(launcher() is None, reason="mlx.launch is not installed"),
+]
 
 PROMPT = "Tell me a story about a robot"
 MAX_TOKENS = 24

@@ -26,9 +26,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mlx_kvq.testing.distributed import LaunchedServer, RankGroup, tiny_model
+from mlx_kvq.testing.distributed import LaunchedServer, RankGroup, launcher, tiny_model
 
-pytestmark = pytest.mark.distributed
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(launcher() is None, reason="mlx.launch is not installed"),
+]
 
 KV = ("--kv-bits", "4", "--kv-group-size", "64")
 MESSAGES = [{"role": "user", "content": "Tell me a story about a robot"}]

@@ -143,10 +143,13 @@ class DistributedEngine(Engine):
             except queue.Empty:
                 pass
             for item in items:
+                if stop:  # queued behind the stop: refuse, as a single process would
+                    if item[0] == "submit":
+                        item[2](ErrorEvent(NORMAL_STOP, 503, "engine_unavailable"))
+                    continue
                 if item[0] == "stop":
                     stop = True
-                    break
-                if item[0] == "submit":
+                elif item[0] == "submit":
                     submits.append((item[1], item[2]))
                 else:
                     cancels.add(item[1])
@@ -193,10 +196,8 @@ class DistributedEngine(Engine):
         try:
             ok = super()._warmup()
         except Exception as e:  # this rank cannot follow the group's collectives any more
-            reason = f"rank {self.rank}: warm-up failed: {type(e).__name__}: {e}"
             log.exception("warm-up failed")
-            self.heartbeat.report_fatal(reason)
-            self._shutdown(reason)
+            self._shutdown(f"warm-up failed: {type(e).__name__}: {e}")  # tells the group why
             return False
         if not ok and self._stopping.is_set():
             return False
@@ -228,7 +229,12 @@ class DistributedEngine(Engine):
         return True
 
     def _shutdown(self, reason: str) -> None:
-        if reason != NORMAL_STOP and not self._stopped_normally and self._group_failed is None:
+        if (
+            self.rank == 0
+            and reason != NORMAL_STOP
+            and not self._stopped_normally
+            and self._group_failed is None
+        ):
             # A collective that failed because a peer died (the ring backend raises
             # on a closed link) races the watchdog: give it a moment to name the rank.
             self._group_lost.wait(LOST_GRACE_S)

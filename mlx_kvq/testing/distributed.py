@@ -65,10 +65,25 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def launcher() -> str | None:
+    """Path of `mlx.launch` (next to this Python, or on PATH), if installed."""
+    beside = Path(sys.executable).parent / "mlx.launch"
+    return str(beside) if beside.exists() else shutil.which("mlx.launch")
+
+
 def mlx_launch_command(argv: list[str], n: int = 2, port: int | None = None) -> list[str]:
-    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
     port = port or free_port_run(n)
-    return [launcher, "--backend", "ring", "-n", str(n), "--starting-port", str(port), "--", *argv]
+    return [
+        launcher() or "mlx.launch",
+        "--backend",
+        "ring",
+        "-n",
+        str(n),
+        "--starting-port",
+        str(port),
+        "--",
+        *argv,
+    ]
 
 
 def mlx_launch(argv: list[str], n: int = 2, timeout: float = 120.0,
