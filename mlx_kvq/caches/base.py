@@ -83,6 +83,24 @@ class KVQCache(_BaseCache):
             kspec, vspec = self.keys.spec, self.values.spec
         return Store.encode(keys, kspec), Store.encode(values, vspec)
 
+    def _append_room(self, k: Store, v: Store, grow: int) -> None:
+        """Extend the buffers by `grow` zero slots (or create them)."""
+        if self.keys is None:
+            self.keys, self.values = k.zeros(grow), v.zeros(grow)
+        else:
+            self.keys = Store.concat([self.keys, k.zeros(grow)])
+            self.values = Store.concat([self.values, v.zeros(grow)])
+
+    def _make_room(self, used: int, k: Store, v: Store) -> None:
+        """Room for `k`'s tokens after `used` slots, growing in 256-token steps
+        like mlx-lm's caches (a partly used last step is cut off first)."""
+        n = k.length
+        if self.keys is not None and used + n <= self.keys.length:
+            return
+        if self.keys is not None and used % self.step:
+            self.keys, self.values = self.keys[..., :used, :], self.values[..., :used, :]
+        self._append_room(k, v, (self.step + n - 1) // self.step * self.step)
+
     def _hand_out(self, keys: Store, values: Store):
         if self.hand_out == DEQUANTIZED:
             return keys.dequantize(self.dtype), values.dequantize(self.dtype)

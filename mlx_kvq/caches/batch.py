@@ -143,15 +143,7 @@ class KVQBatchFullCache(_BatchBase):
         self._remember_dtype(keys)
         k, v = self._encode(keys, values)
         prev, n = self._idx, keys.shape[2]
-        if self.keys is None or prev + n > self.keys.length:
-            grow = (self.step + n - 1) // self.step * self.step
-            if self.keys is None:
-                self.keys, self.values = k.zeros(grow), v.zeros(grow)
-            else:
-                if prev % self.step:
-                    self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
-                self.keys = Store.concat([self.keys, k.zeros(grow)])
-                self.values = Store.concat([self.values, v.zeros(grow)])
+        self._make_room(prev, k, v)
         self.offset = self.offset + n
         self._idx += n
         self.keys[..., prev : self._idx, :] = k
@@ -305,12 +297,7 @@ class KVQBatchWindowCache(_BatchBase):
             raise RuntimeError("finalize() must be called before decoding with a batch window cache")
         prev = self._offset
         if self.keys is None or (prev >= self.keys.length and self.keys.length < self.max_size):
-            grow = min(self.step, self.max_size - prev)
-            if self.keys is None:
-                self.keys, self.values = k.zeros(grow), v.zeros(grow)
-            else:
-                self.keys = Store.concat([self.keys, k.zeros(grow)])
-                self.values = Store.concat([self.values, v.zeros(grow)])
+            self._append_room(k, v, min(self.step, self.max_size - prev))
             self._idx = prev
         trim_size = self.keys.length - self.max_size
         if trim_size > 0:

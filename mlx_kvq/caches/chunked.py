@@ -11,7 +11,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import ChunkedKVCache
 
 from ..config import QuantSpec
-from ..quant import Store
 from .base import PACKED, KVQCache
 
 
@@ -42,15 +41,7 @@ class KVQChunkedCache(KVQCache):
         self._remember_dtype(keys)
         k, v = self._encode(keys, values)
         prev, n = self.offset - self.start_position, keys.shape[2]
-        if self.keys is None or prev + n > self.keys.length:
-            grow = (self.step + n - 1) // self.step * self.step
-            if self.keys is None:
-                self.keys, self.values = k.zeros(grow), v.zeros(grow)
-            else:
-                if prev % self.step:
-                    self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
-                self.keys = Store.concat([self.keys, k.zeros(grow)])
-                self.values = Store.concat([self.values, v.zeros(grow)])
+        self._make_room(prev, k, v)
         self.offset += n
         end = self.offset - self.start_position
         self.keys[..., prev:end, :] = k

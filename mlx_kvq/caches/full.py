@@ -29,15 +29,7 @@ class KVQFullCache(KVQCache):
         self._remember_dtype(keys)
         k, v = self._encode(keys, values)
         prev, n = self.offset, keys.shape[2]
-        if self.keys is None or prev + n > self.keys.length:
-            grow = (self.step + n - 1) // self.step * self.step
-            if self.keys is None:
-                self.keys, self.values = k.zeros(grow), v.zeros(grow)
-            else:
-                if prev % self.step:
-                    self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
-                self.keys = self.keys.concat([self.keys, k.zeros(grow)])
-                self.values = self.values.concat([self.values, v.zeros(grow)])
+        self._make_room(prev, k, v)
         self.offset += n
         self.keys[..., prev : self.offset, :] = k
         self.values[..., prev : self.offset, :] = v

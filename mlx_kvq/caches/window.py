@@ -77,12 +77,7 @@ class KVQWindowCache(KVQCache):
     def _update_in_place(self, k: Store, v: Store) -> None:
         prev = self.offset
         if self.keys is None or (prev >= self.keys.length and self.keys.length < self.max_size):
-            grow = min(self.step, self.max_size - prev)
-            if self.keys is None:
-                self.keys, self.values = k.zeros(grow), v.zeros(grow)
-            else:
-                self.keys = Store.concat([self.keys, k.zeros(grow)])
-                self.values = Store.concat([self.values, v.zeros(grow)])
+            self._append_room(k, v, min(self.step, self.max_size - prev))
             self._idx = prev
         trim_size = self.keys.length - self.max_size
         if trim_size > 0:
