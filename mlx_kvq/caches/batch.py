@@ -83,6 +83,15 @@ class _BatchBase(KVQCache):
                 c.keys = c.keys.quantize(c.key_spec)
                 c.values = c.values.quantize(c.value_spec)
 
+    def _add_left_padding(self, left_padding) -> None:
+        if left_padding is None:
+            return
+        if self.keys is not None:
+            raise ValueError("Left padding can only be added to an empty batch cache")
+        left_padding = mx.array(left_padding)
+        self.left_padding = self.left_padding + left_padding
+        self.offset = self.offset - left_padding
+
     def _filter_rows(self, batch_indices) -> None:
         if self.keys is not None:
             self.keys = self.keys[batch_indices]
@@ -154,12 +163,7 @@ class KVQBatchFullCache(_BatchBase):
         return self._hand_out(self.keys[..., : self._idx, :], self.values[..., : self._idx, :])
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
-        if left_padding is not None:
-            if self.keys is not None:
-                raise ValueError("Left padding can only be added to an empty batch cache")
-            left_padding = mx.array(left_padding)
-            self.left_padding = self.left_padding + left_padding
-            self.offset = self.offset - left_padding
+        self._add_left_padding(left_padding)
         if right_padding is not None and max(right_padding) > 0:
             self._right_padding = mx.array(right_padding)
 
@@ -332,12 +336,7 @@ class KVQBatchWindowCache(_BatchBase):
         return self._hand_out(k, v)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
-        if left_padding is not None:
-            if self.keys is not None:
-                raise ValueError("Left padding can only be added to an empty batch cache")
-            left_padding = mx.array(left_padding)
-            self.left_padding = self.left_padding + left_padding
-            self.offset = self.offset - left_padding
+        self._add_left_padding(left_padding)
         if right_padding is not None and max(right_padding) > 0:
             self._lengths = mx.array(lengths) + self.offset
 
