@@ -66,6 +66,15 @@ def _windows(tokens: Sequence[int], context: int, windows: int, bos: int | None)
     return out
 
 
+def _spans(n: int, chunk: int, decode: int) -> list[tuple[int, int]]:
+    """(start, stop) of each forward pass over `n` positions: chunks of
+    `chunk` tokens, then the last `decode` positions one token at a time."""
+    decode = min(max(decode, 0), n)
+    head = n - decode
+    spans = [(s, min(head, s + chunk)) for s in range(0, head, chunk)]
+    return spans + [(s, s + 1) for s in range(head, n)]
+
+
 def _make_cache(model: nn.Module, cfg: KVConfig) -> list:
     if not cfg.enabled:
         return mlx_cache.make_prompt_cache(model, max_kv_size=cfg.max_kv_size)
@@ -102,12 +111,15 @@ def evaluate_many(
     bos: int | None = None,
     baseline: KVConfig | None = None,
     progress: bool | None = None,
+    decode: int = 0,
 ) -> list[dict]:
     """Measure every setting in `kv_configs` against one unquantized run.
 
     `baseline` is the reference setting (default: mlx-lm's own unquantized
-    caches, with the first config's `max_kv_size`). Returns one result dict
-    per setting (see `evaluate`).
+    caches, with the first config's `max_kv_size`). The last `decode`
+    positions of every window are fed one token at a time, as in decoding
+    (in-place ring writes, one-query masks). Returns one result dict per
+    setting (see `evaluate`).
     """
     if isinstance(tokens, mx.array):
         tokens = tokens.reshape(-1).tolist()
@@ -128,7 +140,7 @@ def evaluate_many(
             get_plan(model, c)
 
     wins = _windows(tokens, context, windows, bos)
-    n_chunks = sum(math.ceil((len(w) - 1) / chunk) for w in wins)
+    n_chunks = sum(len(_spans(len(w) - 1, chunk, decode)) for w in wins)
     if progress is None:
         progress = sys.stderr.isatty()
     from tqdm import tqdm
@@ -144,8 +156,7 @@ def evaluate_many(
         n = len(w) - 1  # positions with a next token to predict
         base_cache = _make_cache(model, base_cfg)
         caches = [_make_cache(model, c) for c in cfgs]
-        for s in range(0, n, chunk):
-            e = min(n, s + chunk)
+        for s, e in _spans(n, chunk, decode):
             x = ids[None, s:e]
             y = ids[s + 1 : e + 1]
             lp_b = _log_probs(model, x, base_cache)[0]
@@ -180,6 +191,7 @@ def evaluate_many(
                 "kv_config": asdict(c),
                 "context": max(len(w) for w in wins),
                 "chunk": chunk,
+                "decode": min(decode, max(len(w) for w in wins) - 1),
                 "windows": len(wins),
                 "tokens_scored": scored,
                 "ppl_base": ppl_b,
@@ -204,6 +216,7 @@ def evaluate(
     windows: int = DEFAULT_WINDOWS,
     bos: int | None = None,
     progress: bool | None = None,
+    decode: int = 0,
 ) -> dict:
     """Quality of `kv_config` against unquantized caches on `tokens`.
 
@@ -215,7 +228,7 @@ def evaluate(
     `kv_bytes` and `kv_ratio` at `context` tokens).
     """
     return evaluate_many(
-        model, tokens, [kv_config], context, chunk, windows, bos, progress=progress
+        model, tokens, [kv_config], context, chunk, windows, bos, progress=progress, decode=decode
     )[0]
 
 
@@ -290,6 +303,12 @@ def add_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=DEFAULT_WINDOWS,
         help="windows of --context tokens spread over the text",
     )
+    parser.add_argument(
+        "--decode",
+        type=int,
+        default=0,
+        help="feed the last N positions of each window one token at a time (decode path)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser  # fmt: skip
@@ -339,6 +358,7 @@ def run_eval(args: argparse.Namespace) -> int:
         result = evaluate(
             model, ids, cfg, context=args.context, chunk=args.chunk, windows=args.windows,
             bos=bos, progress=False if args.no_progress else None,
+            decode=getattr(args, "decode", 0),
         )  # fmt: skip
     except (ValueError, UnsupportedKVConfig, FileNotFoundError) as e:
         print(f"mlx-kvq eval: error: {e}", file=sys.stderr)
@@ -349,7 +369,9 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         print(
             f"model {result['model']}: {result['windows']} windows x {result['context']} tokens, "
-            f"chunks of {result['chunk']}, {result['tokens_scored']} tokens scored"
+            f"chunks of {result['chunk']}"
+            + (f" then {result['decode']} one-token steps" if result["decode"] else "")
+            + f", {result['tokens_scored']} tokens scored"
         )
         print(format_table([result]))
     return 0

@@ -180,3 +180,23 @@ def test_cli_table_and_bad_setting(tiny, monkeypatch, capsys):
     assert "| K 8b/g64 V fp16 |" in out
     with pytest.raises(SystemExit):
         ev.main(["--kv-bits", "7"])
+
+
+def test_decode_tail_feeds_one_token_at_a_time(tiny):
+    assert ev._spans(10, 4, 3) == [(0, 4), (4, 7), (7, 8), (8, 9), (9, 10)]
+    assert ev._spans(5, 4, 9) == [(i, i + 1) for i in range(5)]
+    model, tokens = tiny
+    # 24 decode steps run the sliding rings (window 16) past their wrap point.
+    chunked, rq = ev.evaluate_many(
+        model, tokens, [KVConfig(), KVConfig(bits=8)], context=CONTEXT, chunk=CHUNK,
+        windows=1, progress=False,
+    )  # fmt: skip
+    decoded, rq_dec = ev.evaluate_many(
+        model, tokens, [KVConfig(), KVConfig(bits=8)], context=CONTEXT, chunk=CHUNK,
+        windows=1, progress=False, decode=24,
+    )  # fmt: skip
+    assert decoded["decode"] == 24 and decoded["kl_mean"] == 0.0
+    assert decoded["ppl_base"] == pytest.approx(chunked["ppl_base"], rel=1e-4)
+    assert rq_dec["kl_mean"] < 1e-2 and rq_dec["top1"] >= 0.9
+    # Quantizing a token does not depend on how it arrived: same scores either way.
+    assert rq_dec["ppl"] == pytest.approx(rq["ppl"], rel=1e-3)
