@@ -29,7 +29,13 @@ import mlx_lm.models.base as mlx_base
 from .quant import QuantizedKV, rotate
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
+
+# Queries are processed in blocks of at most _QUERY_BLOCK queries and
+# _SCORE_BUDGET score elements (64 MiB in float32), so a long prefill chunk
+# over a long cache never materializes its whole score matrix (mx.fast's CPU
+# fallback does).
 _QUERY_BLOCK = 512
+_SCORE_BUDGET = 1 << 24
 
 
 def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
@@ -57,39 +63,56 @@ def _weighted(p: mx.array, v, dtype: mx.Dtype) -> mx.array:
     return p @ v.astype(dtype)
 
 
-def _expand(x, axis: int):
-    if isinstance(x, QuantizedKV):
-        return x.map(lambda a: mx.expand_dims(a, axis))
-    return mx.expand_dims(x, axis)
+def _causal(q_len: int, k_len: int, q_start: int = 0, rows: int | None = None) -> mx.array:
+    """mlx-lm's string mask "causal": aligned to the bottom right.
+
+    `q_start`/`rows` select a block of the `q_len` query rows."""
+    rows = q_len - q_start if rows is None else rows
+    first = k_len - q_len + q_start
+    return mx.arange(first, first + rows)[:, None] >= mx.arange(k_len)[None]
 
 
-def _causal(q_len: int, k_len: int, q_start: int = 0) -> mx.array:
-    """mlx-lm's string mask "causal": aligned to the bottom right."""
-    q_idx = mx.arange(k_len - q_len + q_start, k_len - q_len + q_start + q_len)
-    return q_idx[:, None] >= mx.arange(k_len)[None]
+def _grouped_mask(mask: mx.array, n_q: int, n_rep: int) -> mx.array:
+    """A mask broadcastable to (B, n_q, L, S) made broadcastable to
+    (B, n_kv, n_rep, L, S): one mask per query head is grouped like the
+    queries, a shared one gets a broadcast axis."""
+    if mask.ndim < 3:
+        return mask
+    if mask.ndim == 3:
+        mask = mask[None]
+    heads = mask.shape[1]
+    if heads == 1:
+        return mx.expand_dims(mask, 2)
+    return mask.reshape(mask.shape[0], heads // n_rep, n_rep, *mask.shape[2:])
 
 
-def _attend_block(q, k, v, scale, mask, sinks, dtype, n_rep):
-    """One block of queries: scores, mask, sinks, softmax, weighted values."""
-    scores = _scores(q * scale, k, dtype)  # (B, Hkv, rep, L, S) or (B, H, L, S)
+def _attend_rows(q, k, v, mask, sinks, dtype, shape):
+    """Attention for query rows grouped by KV head.
+
+    `q` is (B, n_kv, n_rep * L, D): the queries of every head sharing a KV
+    head stacked as rows, so each packed K/V head is read once per call by
+    one matrix product (broadcasting K/V over the repeated heads instead
+    makes `mx.quantized_matmul` read it once per query head).
+    """
+    B, n_kv, n_rep, L = shape
+    scores = _scores(q, k, dtype)  # (B, n_kv, n_rep * L, S)
+    S = scores.shape[-1]
+    if mask is not None or sinks is not None:
+        scores = scores.reshape(B, n_kv, n_rep, L, S)
     if mask is not None:
-        if n_rep > 1 and mask.ndim >= 3:
-            if mask.shape[-3] > 1:  # one mask per query head: group like the queries
-                mask = mask.reshape(*mask.shape[:-3], -1, n_rep, *mask.shape[-2:])
-            else:
-                mask = mx.expand_dims(mask, -3)
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask.astype(scores.dtype)
     if sinks is not None:
-        s = sinks.astype(dtype)
-        s = s.reshape(-1, n_rep, 1, 1) if n_rep > 1 else s.reshape(-1, 1, 1)
+        s = sinks.astype(dtype).reshape(n_kv, n_rep, 1, 1)
         s = mx.broadcast_to(s, (*scores.shape[:-1], 1))
-        p = mx.softmax(mx.concatenate([s, scores], axis=-1), axis=-1, precise=True)[..., 1:]
+        scores = mx.concatenate([s, scores], axis=-1)
+        p = mx.softmax(scores, axis=-1, precise=True)[..., 1:]
     else:
         p = mx.softmax(scores, axis=-1, precise=True)
-    return _weighted(p, v, dtype)
+    p = p.reshape(B, n_kv, n_rep * L, S)
+    return _weighted(p, v, dtype).reshape(B, n_kv, n_rep, L, -1)
 
 
 def quantized_attention(
@@ -103,9 +126,9 @@ def quantized_attention(
     """Attention where keys and/or values are packed.
 
     Handles grouped-query heads, every mlx-lm mask form (None, "causal",
-    boolean, additive, 1-D windowed, batched), sinks, rotated K/V and
-    different key/value bit widths. Long query runs are split into blocks so
-    the score matrix never spans the whole prefill at once.
+    boolean, additive, 1-D windowed, batched, per head), sinks, rotated K/V
+    and different key/value bit widths. Long query runs are split into
+    blocks so the score matrix never spans the whole prefill at once.
     """
     out_dtype = queries.dtype
     dtype = compute_dtype(out_dtype)
@@ -113,27 +136,29 @@ def quantized_attention(
     n_kv = keys.shape[1]
     S = keys.shape[2]
     n_rep = n_q // n_kv
-    q = queries.astype(dtype)
+    q = queries.astype(dtype) * scale
     if isinstance(keys, QuantizedKV) and keys.rotated:
         q = rotate(q)
-    if n_rep > 1:
-        q = q.reshape(B, n_kv, n_rep, L, D)
-        keys, values = _expand(keys, -3), _expand(values, -3)
-    if isinstance(mask, str):
-        mask = _causal(L, S)
+    q = q.reshape(B, n_kv, n_rep, L, D)
+    causal = isinstance(mask, str)
+    if not causal and mask is not None:
+        mask = _grouped_mask(mask, n_q, n_rep)
 
+    block = max(1, min(L, _QUERY_BLOCK, _SCORE_BUDGET // max(1, B * n_q * S)))
     blocks = []
-    for start in range(0, L, _QUERY_BLOCK):
-        stop = min(L, start + _QUERY_BLOCK)
-        qb = q[..., start:stop, :] if L > _QUERY_BLOCK else q
-        mb = mask
-        if mask is not None and L > _QUERY_BLOCK and mask.ndim >= 2 and mask.shape[-2] == L:
-            mb = mask[..., start:stop, :]
-        blocks.append(_attend_block(qb, keys, values, scale, mb, sinks, dtype, n_rep))
+    for start in range(0, L, block):
+        rows = min(block, L - start)
+        qb = q if rows == L else q[..., start : start + rows, :]
+        if causal:
+            mb = _causal(L, S, start, rows)
+        elif mask is not None and rows < L and mask.ndim >= 2 and mask.shape[-2] == L:
+            mb = mask[..., start : start + rows, :]
+        else:
+            mb = mask
+        qb = qb.reshape(B, n_kv, n_rep * rows, D)
+        blocks.append(_attend_rows(qb, keys, values, mb, sinks, dtype, (B, n_kv, n_rep, rows)))
     out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=-2)
-
-    if n_rep > 1:
-        out = out.reshape(B, n_q, L, -1)
+    out = out.reshape(B, n_q, L, -1)
     if isinstance(values, QuantizedKV) and values.rotated:
         out = rotate(out)
     return out.astype(out_dtype)
