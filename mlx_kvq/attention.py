@@ -38,20 +38,66 @@ _QUERY_BLOCK = 512
 _SCORE_BUDGET = 1 << 24
 
 
+# CPU only: with at least this many query rows per KV head (prefill chunks,
+# speculative verification), scores are computed by dequantizing the keys
+# one block of _KEY_BLOCK tokens at a time and multiplying densely: MLX's CPU
+# `quantized_matmul` with `transpose=True` is several times slower per row
+# than a dense product once there are more than a few rows, while the
+# dequantization is cheap next to the product. Decode (one query per head)
+# keeps `quantized_matmul`, so no dequantized copy of a long cache ever
+# exists; the transient copy here is one block.
+_DEQUANT_ROWS = 16
+_KEY_BLOCK = 4096
+
+
+def _on_cpu() -> bool:
+    return mx.default_device() == mx.cpu or not mx.metal.is_available()
+
+
 def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
     """The dtype quantized attention computes in on the current backend."""
-    if mx.default_device() == mx.cpu or not mx.metal.is_available():
+    if _on_cpu():
         return mx.float32
     return dtype
 
 
-def _scores(q: mx.array, k, dtype: mx.Dtype) -> mx.array:
+def _dense_dtype(dtype: mx.Dtype) -> mx.Dtype | None:
+    """Dtype of the dense score product over dequantized key blocks, or None
+    to use `quantized_matmul` (Metal: its native kernels are the fast path).
+    On the CPU, bfloat16 models multiply in bfloat16 (MLX's fastest CPU
+    product, and the precision their unquantized attention has); float16 and
+    float32 models multiply in float32."""
+    if not _on_cpu():
+        return None
+    return mx.bfloat16 if dtype == mx.bfloat16 else mx.float32
+
+
+def _scores(q: mx.array, k, dtype: mx.Dtype, dense: mx.Dtype | None = None) -> mx.array:
     if isinstance(k, QuantizedKV):
+        if dense is not None:
+            return _dense_scores(q, k, dtype, dense)
         return mx.quantized_matmul(
             q, k.data, k.scales.astype(dtype), k.biases.astype(dtype),
             transpose=True, group_size=k.group_size, bits=k.bits,
         )  # fmt: skip
     return q @ k.astype(dtype).swapaxes(-1, -2)
+
+
+def _dense_scores(q: mx.array, k: QuantizedKV, dtype: mx.Dtype, dense: mx.Dtype) -> mx.array:
+    """q @ K^T with K dequantized `_KEY_BLOCK` tokens at a time."""
+    qd = q.astype(dense)
+    S = k.data.shape[-2]
+    parts = []
+    for start in range(0, S, _KEY_BLOCK):
+        stop = min(S, start + _KEY_BLOCK)
+        blk = k if stop - start == S else k.map(lambda a, i=start, j=stop: a[..., i:j, :])
+        kd = mx.dequantize(
+            blk.data, blk.scales.astype(dense), blk.biases.astype(dense),
+            group_size=k.group_size, bits=k.bits,
+        )  # fmt: skip
+        parts.append(qd @ kd.swapaxes(-1, -2))
+    scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    return scores.astype(dtype)
 
 
 def _weighted(p: mx.array, v, dtype: mx.Dtype) -> mx.array:
@@ -86,7 +132,7 @@ def _grouped_mask(mask: mx.array, n_q: int, n_rep: int) -> mx.array:
     return mask.reshape(mask.shape[0], heads // n_rep, n_rep, *mask.shape[2:])
 
 
-def _attend_rows(q, k, v, mask, sinks, dtype, shape):
+def _attend_rows(q, k, v, mask, sinks, dtype, shape, dense=None):
     """Attention for query rows grouped by KV head.
 
     `q` is (B, n_kv, n_rep * L, D): the queries of every head sharing a KV
@@ -95,7 +141,8 @@ def _attend_rows(q, k, v, mask, sinks, dtype, shape):
     makes `mx.quantized_matmul` read it once per query head).
     """
     B, n_kv, n_rep, L = shape
-    scores = _scores(q, k, dtype)  # (B, n_kv, n_rep * L, S)
+    dense = dense if n_rep * L >= _DEQUANT_ROWS else None
+    scores = _scores(q, k, dtype, dense)  # (B, n_kv, n_rep * L, S)
     S = scores.shape[-1]
     if mask is not None or sinks is not None:
         scores = scores.reshape(B, n_kv, n_rep, L, S)
@@ -132,6 +179,7 @@ def quantized_attention(
     """
     out_dtype = queries.dtype
     dtype = compute_dtype(out_dtype)
+    dense = _dense_dtype(out_dtype)
     B, n_q, L, D = queries.shape
     n_kv = keys.shape[1]
     S = keys.shape[2]
@@ -156,7 +204,8 @@ def quantized_attention(
         else:
             mb = mask
         qb = qb.reshape(B, n_kv, n_rep * rows, D)
-        blocks.append(_attend_rows(qb, keys, values, mb, sinks, dtype, (B, n_kv, n_rep, rows)))
+        shape = (B, n_kv, n_rep, rows)
+        blocks.append(_attend_rows(qb, keys, values, mb, sinks, dtype, shape, dense))
     out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=-2)
     out = out.reshape(B, n_q, L, -1)
     if isinstance(values, QuantizedKV) and values.rotated:
