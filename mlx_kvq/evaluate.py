@@ -150,8 +150,10 @@ def evaluate_many(
     base_nll = zero()
     stats = [{"nll": zero(), "kl": zero(), "kl_max": zero(), "agree": zero()} for _ in cfgs]
     scored = 0
+    deltas: list[list[float]] = [[] for _ in cfgs]  # per window: mean nll change per token
     t0 = time.perf_counter()
     for w in wins:
+        before = [base_nll.item(), *(st["nll"].item() for st in stats)]
         ids = mx.array(w)
         n = len(w) - 1  # positions with a next token to predict
         base_cache = _make_cache(model, base_cfg)
@@ -178,13 +180,21 @@ def evaluate_many(
             mx.eval(outs)
             scored += e - s
             bar.update(1)
+        base_w = base_nll.item() - before[0]
+        for d, st, b in zip(deltas, stats, before[1:], strict=True):
+            d.append((st["nll"].item() - b - base_w) / n)
     bar.close()
     seconds = time.perf_counter() - t0
 
     ppl_b = math.exp(base_nll.item() / scored)
     results = []
-    for c, st in zip(cfgs, stats, strict=True):
+    for c, st, d in zip(cfgs, stats, deltas, strict=True):
         ppl = math.exp(st["nll"].item() / scored)
+        # Standard error of the change, from its spread across windows.
+        se = 0.0
+        if len(d) > 1:
+            mean = sum(d) / len(d)
+            se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
         results.append(
             {
                 "setting": c.describe(),
@@ -197,6 +207,7 @@ def evaluate_many(
                 "ppl_base": ppl_b,
                 "ppl": ppl,
                 "rel_ppl_change": ppl / ppl_b - 1.0,
+                "rel_ppl_change_se": se * ppl / ppl_b,
                 "kl_mean": st["kl"].item() / scored,
                 "kl_max": st["kl_max"].item(),
                 "top1": st["agree"].item() / scored,
@@ -221,7 +232,8 @@ def evaluate(
     """Quality of `kv_config` against unquantized caches on `tokens`.
 
     Returns a dict with `ppl_base` (unquantized), `ppl` (with `kv_config`),
-    `rel_ppl_change` (ppl / ppl_base - 1), `kl_mean` (mean KL(unquantized ||
+    `rel_ppl_change` (ppl / ppl_base - 1) and `rel_ppl_change_se` (its
+    standard error from the spread across windows; 0 with one window), `kl_mean` (mean KL(unquantized ||
     quantized) in nats per scored token), `kl_max`, `top1` (fraction of
     positions whose argmax agrees), `tokens_scored`, `windows`, the setting
     and its storage cost (`bits_per_element` counting scales and biases,
@@ -234,7 +246,8 @@ def evaluate(
 
 # -- reports ---------------------------------------------------------------------
 TABLE_HEADER = (
-    "| setting | bits/elem | ppl unquantized | ppl quantized | rel. ppl change | mean KL (nats) | top-1 agree |\n"
+    "| setting | bits/elem | ppl unquantized | ppl quantized | rel. ppl change (± s.e.) "
+    "| mean KL (nats) | top-1 agree |\n"
     "|---|---:|---:|---:|---:|---:|---:|"
 )
 
@@ -242,7 +255,8 @@ TABLE_HEADER = (
 def table_row(r: dict, label: str | None = None) -> str:
     return (
         f"| {label or r['setting']} | {r['bits_per_element']:.2f} | {r['ppl_base']:.4f} | "
-        f"{r['ppl']:.4f} | {100 * r['rel_ppl_change']:+.3f}% | {r['kl_mean']:.2e} | "
+        f"{r['ppl']:.4f} | {100 * r['rel_ppl_change']:+.3f}% ± {100 * r.get('rel_ppl_change_se', 0):.3f} | "
+        f"{r['kl_mean']:.2e} | "
         f"{100 * r['top1']:.2f}% |"
     )
 

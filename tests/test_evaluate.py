@@ -49,6 +49,7 @@ def test_unquantized_against_itself_is_identical(tiny):
     assert r["windows"] == WINDOWS
     assert r["tokens_scored"] == WINDOWS * (CONTEXT - 1)
     assert r["bits_per_element"] == 16.0
+    assert r["rel_ppl_change_se"] == 0.0
 
 
 def test_quantized_settings_order_by_bits(tiny):
@@ -63,6 +64,7 @@ def test_quantized_settings_order_by_bits(tiny):
     assert r8["kl_mean"] < 1e-2 and r8rot["kl_mean"] < 1e-2
     assert r8["kl_mean"] < r4["kl_mean"]
     assert r8["top1"] >= 0.9
+    assert r4["rel_ppl_change_se"] > 0.0  # spread across the two windows
     assert r8["bits_per_element"] == pytest.approx(8.5)
     assert r4["bits_per_element"] == pytest.approx(4.5)
 
