@@ -49,6 +49,13 @@ _SCORE_BUDGET = 1 << 24
 _DEQUANT_ROWS = 16
 _KEY_BLOCK = 4096
 
+# CPU only: attention runs one (sequence, KV head) at a time when there are at
+# most this many. Caches hand out `buffer[..., :offset, :]`, a strided view
+# across heads, which `quantized_matmul` would first copy whole (a transient
+# the size of the layer's packed K/V at every decode step); the view of one
+# head of one sequence is contiguous, so it is read in place.
+_SPLIT_LIMIT = 8
+
 
 def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu or not mx.metal.is_available()
@@ -162,6 +169,36 @@ def _attend_rows(q, k, v, mask, sinks, dtype, shape, dense=None):
     return _weighted(p, v, dtype).reshape(B, n_kv, n_rep, L, -1)
 
 
+def _pick(x, b: int, h: int):
+    """Sequence `b`, KV head `h` of an array (or packed K/V) laid out
+    (B, n_kv, ...), where an axis of size one broadcasts."""
+    if isinstance(x, QuantizedKV):
+        return x.map(lambda a: _pick(a, b, h))
+    bs = slice(b, b + 1) if x.shape[0] > 1 else slice(None)
+    hs = slice(h, h + 1) if x.shape[1] > 1 else slice(None)
+    return x[bs, hs]
+
+
+def _attend(q, k, v, mask, sinks, dtype, shape, dense):
+    """`_attend_rows`, split per (sequence, KV head) on the CPU (see _SPLIT_LIMIT)."""
+    B, n_kv, n_rep, L = shape
+    if B * n_kv == 1 or B * n_kv > _SPLIT_LIMIT or not _on_cpu():
+        return _attend_rows(q, k, v, mask, sinks, dtype, shape, dense)
+    if sinks is not None:
+        sinks = sinks.reshape(n_kv, n_rep)
+    one = (1, 1, n_rep, L)
+    out = []
+    for b in range(B):
+        heads = []
+        for h in range(n_kv):
+            qh, kh, vh = _pick(q, b, h), _pick(k, b, h), _pick(v, b, h)
+            mh = mask if mask is None or mask.ndim < 5 else _pick(mask, b, h)
+            sh = None if sinks is None else sinks[h]
+            heads.append(_attend_rows(qh, kh, vh, mh, sh, dtype, one, dense))
+        out.append(mx.concatenate(heads, axis=1))
+    return out[0] if B == 1 else mx.concatenate(out, axis=0)
+
+
 def quantized_attention(
     queries: mx.array,
     keys: QuantizedKV | mx.array,
@@ -205,7 +242,7 @@ def quantized_attention(
             mb = mask
         qb = qb.reshape(B, n_kv, n_rep * rows, D)
         shape = (B, n_kv, n_rep, rows)
-        blocks.append(_attend_rows(qb, keys, values, mb, sinks, dtype, shape, dense))
+        blocks.append(_attend(qb, keys, values, mb, sinks, dtype, shape, dense))
     out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=-2)
     out = out.reshape(B, n_q, L, -1)
     if isinstance(values, QuantizedKV) and values.rotated:
