@@ -1,0 +1,207 @@
+"""`mlx-kvq bench` / `python -m mlx_kvq.bench`: arguments and the run."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from .settings import MODELS, SECTIONS, BenchSettings, quick
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    d = BenchSettings()
+    p.add_argument(
+        "--quick", action="store_true", help="tiny setting (seconds), every section: for tests"
+    )
+    p.add_argument("--out", default="bench-results", help="output folder (JSON, markdown, PNG)")
+    p.add_argument(
+        "--sections",
+        type=_names,
+        default=None,
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
+    )
+    p.add_argument("--dtypes", type=_names, default=None, help=f"default {','.join(d.dtypes)}")
+    p.add_argument(
+        "--bits", type=_ints, default=None, help="quantized settings to compare (default 8,4)"
+    )
+    p.add_argument("--group-size", type=int, default=None, help="default 64")
+    p.add_argument(
+        "--model-size",
+        choices=sorted(MODELS),
+        default=None,
+        help="benchmark model (default small: about 21M parameters)",
+    )
+    p.add_argument(
+        "--model-config",
+        default=None,
+        help="config.json (or a JSON string) of an mlx-lm model to build with random weights",
+    )
+    p.add_argument(
+        "--contexts", type=_ints, default=None, help="model contexts (default 1024,4096,16384)"
+    )
+    p.add_argument(
+        "--attn-contexts",
+        type=_ints,
+        default=None,
+        help="cached tokens for attention alone (default 1024,4096,16384,32768)",
+    )
+    p.add_argument(
+        "--attn-queries", type=_ints, default=None, help="queries per call (default 1,128)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="samples per figure for decode and attention (default 5)",
+    )
+    p.add_argument("--prefill-repeats", type=int, default=None, help="default 3")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="default 128")
+    p.add_argument("--memory-context", type=int, default=None, help="default 16384")
+    p.add_argument(
+        "--memory-dtype", default=None, help="model dtype of the memory and serving sections"
+    )
+    p.add_argument(
+        "--streams", type=_ints, default=None, help="concurrent streams (default 1,4,16)"
+    )
+    p.add_argument(
+        "--mlx-lm-max-call-s",
+        type=float,
+        default=None,
+        help="skip mlx-lm attention cells predicted to take longer per call (default 30)",
+    )
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--seed", type=int, default=None)  # fmt: skip
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    s = quick() if args.quick else BenchSettings()
+    changes = {
+        "sections": args.sections, "dtypes": args.dtypes, "bits": args.bits,
+        "group_size": args.group_size, "model": args.model_size, "contexts": args.contexts,
+        "attn_contexts": args.attn_contexts, "attn_queries": args.attn_queries,
+        "decode_repeats": args.repeats, "attn_repeats": args.repeats,
+        "prefill_repeats": args.prefill_repeats, "prefill_chunk": args.prefill_chunk,
+        "memory_context": args.memory_context, "memory_dtype": args.memory_dtype, "streams": args.streams,
+        "mlx_lm_max_call_s": args.mlx_lm_max_call_s, "seed": args.seed,
+    }  # fmt: skip
+    s = replace(s, **{k: v for k, v in changes.items() if v is not None})
+    if args.model_config:
+        text = args.model_config
+        cfg = (
+            json.loads(text)
+            if text.lstrip().startswith("{")
+            else json.loads(Path(text).read_text())
+        )
+        s = replace(s, model_config=cfg)
+    unknown = set(s.sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown bench sections {sorted(unknown)}; choose from {SECTIONS}")
+    if args.memory_dtype is None and s.memory_dtype not in s.dtypes:
+        s = replace(s, memory_dtype=s.dtypes[0])
+    return s
+
+
+def environment() -> dict:
+    import mlx.core as mx
+    import mlx_lm
+
+    return {
+        "device": str(mx.default_device()),
+        "metal_available": bool(mx.metal.is_available()),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    command = "python -m mlx_kvq.bench " + " ".join(getattr(args, "argv", None) or sys.argv[1:])
+    return run(settings, Path(args.out), plots=not args.no_plots, command=command.strip())
+
+
+def run(
+    settings: BenchSettings, out: Path, plots: bool = True, command: str = "", log=print
+) -> int:
+    from .. import caches  # noqa: F401  (installs the attention redirect)
+    from . import report
+
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    log("mlx-kvq bench configuration:")
+    log(json.dumps({"environment": env, "settings": settings.to_dict()}, indent=1, default=str))
+    if env["device"].startswith("Device(cpu") or not env["metal_available"]:
+        log("note: CPU backend. Apple-GPU (Metal) results cannot be produced on this machine.")
+    t0 = time.perf_counter()
+    result: dict = {
+        "command": command,
+        "environment": env,
+        "settings": settings.to_dict(),
+        "notes": [],
+    }
+    if "attention" in settings.sections:
+        from . import attention_bench
+
+        log("attention alone:")
+        result["attention"] = attention_bench.run(settings, log)
+    if "model" in settings.sections:
+        from . import model_bench
+
+        log("model:")
+        result["model"] = model_bench.run(settings, log)
+    if "memory" in settings.sections:
+        from . import memory_bench
+
+        log("memory:")
+        result["memory"] = memory_bench.run(settings, log)
+    if "serving" in settings.sections:
+        from . import serving_bench
+
+        log("serving:")
+        result["serving"] = serving_bench.run(settings, log)
+    result["duration_s"] = time.perf_counter() - t0
+    result["goals"] = report.goals(result)
+    if plots:
+        paths, message = report.plots(result, out)
+        result["plots"] = paths
+        if message:
+            result["notes"].append(message)
+            log(message)
+    report.write_json(result, out / "bench.json")
+    (out / "bench.md").write_text(report.markdown(result) + "\n")
+    for g in result["goals"]:
+        met = {True: "met", False: "NOT MET", None: "n/a"}[g["met"]]
+        val = "-" if g["value"] is None else f"{g['value']:.3f}"
+        log(f"goal: {g['goal']}: {val} (target {g['target']}) {met}")
+    log(f"wrote {out / 'bench.json'} and {out / 'bench.md'} in {result['duration_s']:.0f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlx_kvq.bench", description=__doc__)
+    add_bench_args(parser)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return run_bench(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

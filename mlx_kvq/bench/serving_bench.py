@@ -1,0 +1,184 @@
+"""Serving: aggregate generation tokens/s of the engine at N concurrent streams.
+
+Runs mlx-kvq's serving engine (`mlx_kvq.engine.Engine`: mlx-lm's
+`BatchGenerator` fed with the KV plan's caches, the path the HTTP server
+uses) in-process, without HTTP. For each stream count, N requests with
+distinct random prompts (no prompt-cache reuse) are submitted at once;
+aggregate generation tokens/s is generated tokens over the engine's decode
+time (from its step statistics), and end-to-end tokens/s is generated tokens
+over wall time from submission to the last finish (prefill included).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+
+from .model_bench import build_model, free, label
+from .settings import BenchSettings
+from .timing import Stat, paired_ratio
+
+
+class _Detokenizer:
+    """Counts tokens; the benchmark never looks at text."""
+
+    last_segment = ""
+
+    def add_token(self, token: int) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class BenchTokenizer:
+    """The few tokenizer members the engine uses. No EOS: every request
+    generates exactly its `max_tokens`."""
+
+    eos_token_ids: list[int] = []
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return [1 + ord(ch) % (self.vocab - 1) for ch in text]
+
+    @property
+    def detokenizer(self) -> _Detokenizer:
+        return _Detokenizer()
+
+
+def _metrics_class():
+    from ..engine import EngineMetrics
+
+    class Totals(EngineMetrics):
+        """Engine metrics that also keep running totals of decode work."""
+
+        def __init__(self):
+            super().__init__()
+            self.decode_time = 0.0
+            self.gen_tokens = 0
+
+        def record_step(self, prompt_tokens, prompt_time, gen_tokens, decode_time):
+            self.decode_time += decode_time
+            self.gen_tokens += gen_tokens
+            super().record_step(prompt_tokens, prompt_time, gen_tokens, decode_time)
+
+    return Totals
+
+
+def _run_once(engine, metrics, n: int, settings: BenchSettings, vocab: int, rng_seed: int) -> dict:
+    from ..engine import ErrorEvent, FinishEvent, GenerationRequest, SamplingParams
+
+    mx.random.seed(rng_seed)
+    prompts = mx.random.randint(1, vocab, (n, settings.serving_prompt)).tolist()
+    done = threading.Event()
+    lock = threading.Lock()
+    state = {"left": n, "tokens": 0, "errors": []}
+
+    def sink(event):
+        if isinstance(event, (FinishEvent, ErrorEvent)):
+            with lock:
+                if isinstance(event, FinishEvent):
+                    state["tokens"] += event.usage.completion_tokens
+                else:
+                    state["errors"].append(event.message)
+                state["left"] -= 1
+                if state["left"] == 0:
+                    done.set()
+
+    params = SamplingParams(max_tokens=settings.serving_tokens, temperature=0.0)
+    d0, g0 = metrics.decode_time, metrics.gen_tokens
+    t0 = time.perf_counter()
+    for p in prompts:
+        engine.submit(GenerationRequest(p, params), sink)
+    if not done.wait(timeout=3600):
+        raise RuntimeError("serving benchmark: requests did not finish within an hour")
+    wall = time.perf_counter() - t0
+    if state["errors"]:
+        raise RuntimeError(f"serving benchmark: requests failed: {state['errors'][:3]}")
+    decode_time = metrics.decode_time - d0
+    gen = metrics.gen_tokens - g0
+    return {"wall": wall, "tokens": state["tokens"], "decode_time": decode_time, "gen_tokens": gen}
+
+
+def run(settings: BenchSettings, log=print) -> dict:
+    from ..config import KVConfig
+    from ..engine import Engine, EngineOptions
+    from ..plan import plan_kv
+
+    config = settings.resolved_model_config()
+    dtype_name = settings.memory_dtype
+    model = build_model(config, getattr(mx, dtype_name), settings.seed)
+    vocab = config["vocab_size"]
+    tokenizer = BenchTokenizer(vocab)
+    out = {"engine": "mlx_kvq.engine.Engine", "dtype": dtype_name, "rows": []}
+    configs = [None, *settings.serving_bits]
+    engines: dict[str, tuple] = {}
+    try:
+        # One engine per cache setting, started (and warmed up) one after the
+        # other; they then take turns, so only one computes at a time.
+        for b in configs:
+            kv = KVConfig(bits=b, group_size=settings.group_size)
+            plan = plan_kv(model, kv, batch=True)
+            metrics = _metrics_class()()
+            options = EngineOptions(
+                decode_concurrency=max(settings.streams),
+                prompt_concurrency=max(settings.streams),
+                prompt_cache_size=0,
+            )
+            engine = Engine(model, tokenizer, plan, kv, options, metrics=metrics)
+            engines[label(b)] = (engine, metrics)
+            engine.start()
+            engine.readiness.ready_event.wait(timeout=3600)
+            state = engine.readiness.get()
+            if state.status != "ready":
+                raise RuntimeError(
+                    f"serving benchmark: engine not ready ({label(b)}): {state.reason}"
+                )
+        runs: dict[int, dict[str, list[dict]]] = {
+            n: {name: [] for name in engines} for n in settings.streams
+        }
+        names = list(engines)
+        for r in range(settings.serving_repeats):
+            for n in settings.streams:
+                for name in names if r % 2 == 0 else reversed(names):
+                    engine, metrics = engines[name]
+                    seed = settings.seed + 1000 * r + n
+                    runs[n][name].append(_run_once(engine, metrics, n, settings, vocab, seed))
+    finally:
+        for engine, _ in engines.values():
+            engine.stop()
+    for n in settings.streams:
+        row: dict = {
+            "streams": n,
+            "generation_tps": {},
+            "end_to_end_tps": {},
+            "generation_ratio": {},
+        }
+        gen: dict[str, Stat] = {}
+        for name, rs in runs[n].items():
+            gen[name] = Stat(
+                [x["gen_tokens"] / x["decode_time"] for x in rs if x["decode_time"] > 0]
+            )
+            row["generation_tps"][name] = gen[name].to_dict(3)
+            row["end_to_end_tps"][name] = Stat([x["tokens"] / x["wall"] for x in rs]).to_dict(3)
+        for b in settings.serving_bits:
+            row["generation_ratio"][label(b)] = paired_ratio(
+                gen[label(b)], gen[label(None)]
+            ).to_dict(4)
+        out["rows"].append(row)
+        log(
+            f"  serving {dtype_name} streams={n:3d}: generation "
+            + "  ".join(f"{k} {v['median']:.1f}/s" for k, v in row["generation_tps"].items())
+            + "  ratio "
+            + " ".join(f"{k} {v['median']:.2f}x" for k, v in row["generation_ratio"].items())
+        )
+    del model, engines
+    free()
+    return out
