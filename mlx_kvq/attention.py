@@ -50,11 +50,14 @@ _DEQUANT_ROWS = 16
 _KEY_BLOCK = 4096
 
 # CPU only: attention runs one (sequence, KV head) at a time when there are at
-# most this many. Caches hand out `buffer[..., :offset, :]`, a strided view
-# across heads, which `quantized_matmul` would first copy whole (a transient
-# the size of the layer's packed K/V at every decode step); the view of one
-# head of one sequence is contiguous, so it is read in place.
+# most _SPLIT_LIMIT of them and at least _SPLIT_MIN_TOKENS cached tokens.
+# Caches hand out `buffer[..., :offset, :]`, a strided view across heads,
+# which `quantized_matmul` would first copy whole (a transient the size of
+# the layer's packed K/V at every decode step); the view of one head of one
+# sequence is contiguous, so it is read in place. Below the token threshold
+# the copy costs less than the extra operations.
 _SPLIT_LIMIT = 8
+_SPLIT_MIN_TOKENS = 4096
 
 
 def _on_cpu() -> bool:
@@ -182,7 +185,8 @@ def _pick(x, b: int, h: int):
 def _attend(q, k, v, mask, sinks, dtype, shape, dense):
     """`_attend_rows`, split per (sequence, KV head) on the CPU (see _SPLIT_LIMIT)."""
     B, n_kv, n_rep, L = shape
-    if B * n_kv == 1 or B * n_kv > _SPLIT_LIMIT or not _on_cpu():
+    few = 1 < B * n_kv <= _SPLIT_LIMIT
+    if not few or k.shape[2] < _SPLIT_MIN_TOKENS or not _on_cpu():
         return _attend_rows(q, k, v, mask, sinks, dtype, shape, dense)
     if sinks is not None:
         sinks = sinks.reshape(n_kv, n_rep)

@@ -150,3 +150,69 @@ def test_cli_subcommand_wiring():
     args = build_parser().parse_args(["bench", "--quick", "--sections", "memory"])
     assert args.func is cli.run_bench
     assert cli.settings_from_args(args).sections == ("memory",)
+
+
+# -- the CPU fast paths of quantized attention that the benchmark measures -----
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("L", [1, 5, 40])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "per_head", "batched", "sinks"])
+def test_attention_fast_paths_match_reference(monkeypatch, split, L, mask_kind):
+    """Per-(sequence, KV head) split on sliced cache views, the dense
+    dequantized-key-block scores (several key blocks) and the quantized_matmul
+    path all equal mx.fast attention on the dequantized K/V."""
+    import mlx.core as mx
+    import numpy as np
+    from kvq_helpers import dequantize_f32
+
+    from mlx_kvq import attention
+    from mlx_kvq.config import QuantSpec
+    from mlx_kvq.quant import Store
+
+    monkeypatch.setattr(attention, "_SPLIT_MIN_TOKENS", 0 if split else 1 << 30)
+    monkeypatch.setattr(attention, "_KEY_BLOCK", 64)  # several key blocks
+    rng = np.random.default_rng(L)
+    B = 2 if mask_kind == "batched" else 1
+    n_q, n_kv, D, S, buf = 8, 2, 64, 150, 256
+    q = mx.array(rng.standard_normal((B, n_q, L, D)).astype(np.float32))
+    k = mx.array(rng.standard_normal((B, n_kv, buf, D)).astype(np.float32))
+    v = mx.array(rng.standard_normal((B, n_kv, buf, D)).astype(np.float32))
+    # as caches hand them out: views of a longer buffer, strided across heads
+    kq = Store.encode(k, QuantSpec(4)).fetch().map(lambda a: a[..., :S, :])
+    vq = Store.encode(v, QuantSpec(8)).fetch().map(lambda a: a[..., :S, :])
+    kd, vd = dequantize_f32(kq), dequantize_f32(vq)
+    sinks = None
+    causal = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    mask = {"none": None, "causal": "causal", "sinks": "causal"}.get(mask_kind)
+    if mask_kind == "per_head":
+        mask = mx.array(rng.random((1, n_q, L, S)) > 0.3) & causal
+    elif mask_kind == "batched":
+        left = mx.array([0, 37])
+        mask = causal[None, None] & (mx.arange(S)[None, None, None] >= left[:, None, None, None])
+    elif mask_kind == "sinks":
+        sinks = mx.array(rng.standard_normal(n_q).astype(np.float32))
+    ref = mx.fast.scaled_dot_product_attention(q, kd, vd, scale=0.125, mask=mask, sinks=sinks)
+    out = attention.quantized_attention(q, kq, vq, 0.125, mask, sinks)
+    assert out.shape == ref.shape
+    assert mx.allclose(out, ref, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_attention_fast_paths_half_precision(monkeypatch, dtype):
+    """Half-precision models: bfloat16 prefill scores multiply in bfloat16,
+    float16 in float32; both stay close to the float32 computation."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_kvq import attention
+    from mlx_kvq.config import QuantSpec
+    from mlx_kvq.quant import Store
+
+    monkeypatch.setattr(attention, "_SPLIT_MIN_TOKENS", 0)
+    rng = np.random.default_rng(3)
+    q = mx.array(rng.standard_normal((1, 8, 32, 64)).astype(np.float32))
+    k = mx.array(rng.standard_normal((1, 2, 200, 64)).astype(np.float32))
+    kq = Store.encode(k, QuantSpec(4)).fetch()
+    exact = attention.quantized_attention(q, kq, kq, 0.125, "causal")
+    half = attention.quantized_attention(q.astype(getattr(mx, dtype)), kq, kq, 0.125, "causal")
+    assert half.dtype == getattr(mx, dtype)
+    assert mx.max(mx.abs(half.astype(mx.float32) - exact)).item() < 0.05
