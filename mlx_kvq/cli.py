@@ -21,8 +21,10 @@ EXIT_BAD_SETTING = 2
 def add_kv_args(parser: argparse.ArgumentParser, default_bits: int | None = None) -> None:
     """KV flags shared by every subcommand (mlx-lm names, plus ours)."""
     g = parser.add_argument_group("KV cache")
-    g.add_argument("--kv-bits", type=int, default=default_bits,
-                   help="bits for keys and values (2,3,4,5,6,8); 0 turns quantization off")
+    del default_bits  # the default setting is resolved in kv_config_from_args
+    g.add_argument("--kv-bits", type=int, default=None,
+                   help="bits for keys and values (2,3,4,5,6,8); 0 turns quantization off; "
+                   "default: mlx_kvq/defaults.py")
     g.add_argument("--kv-group-size", type=int, default=64, help="quantization group size")
     g.add_argument("--kv-key-bits", type=int, default=None, help="bits for keys (overrides --kv-bits)")
     g.add_argument("--kv-value-bits", type=int, default=None, help="bits for values (overrides --kv-bits)")
@@ -39,18 +41,25 @@ def add_kv_args(parser: argparse.ArgumentParser, default_bits: int | None = None
 
 
 def kv_config_from_args(args: argparse.Namespace) -> KVConfig:
+    """The KV setting asked for on the command line.
+
+    With none of `--kv-bits`, `--kv-key-bits`, `--kv-value-bits` given, the
+    default from `mlx_kvq/defaults.py` applies (bits and rotation);
+    `--kv-bits 0` turns quantization off.
+    """
     from .defaults import DEFAULT_KV_CONFIG
 
-    bits = args.kv_bits
+    bits, key_bits, value_bits = args.kv_bits, args.kv_key_bits, args.kv_value_bits
+    rotation = args.kv_rotation
+    if bits is None and key_bits is None and value_bits is None:
+        d = DEFAULT_KV_CONFIG
+        bits, key_bits, value_bits = d.bits, d.key_bits, d.value_bits
+        rotation = rotation or d.rotation
     if bits == 0:
         bits = None
-    rotation = args.kv_rotation
-    if rotation is None:
-        same_bits = bits == DEFAULT_KV_CONFIG.bits and args.kv_key_bits is None and args.kv_value_bits is None
-        rotation = DEFAULT_KV_CONFIG.rotation if same_bits else "none"
     return KVConfig.from_args(
-        kv_bits=bits, kv_group_size=args.kv_group_size, kv_key_bits=args.kv_key_bits,
-        kv_value_bits=args.kv_value_bits, kv_rotation=rotation,
+        kv_bits=bits, kv_group_size=args.kv_group_size, kv_key_bits=key_bits,
+        kv_value_bits=value_bits, kv_rotation=rotation or "none",
         quantized_kv_start=args.quantized_kv_start, max_kv_size=args.max_kv_size,
         allow_partial_kv=args.allow_partial_kv, kv_skip_layers=args.kv_skip_layers,
     )  # fmt: skip

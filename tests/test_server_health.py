@@ -56,7 +56,10 @@ def test_gemma4_kv_shared_warms_up_through_quantized_window_and_full(tmp_path):
         plan = body["plan"]
         assert plan["layers_by_kind"]["shared"] == 2
         assert {"sliding", "full"} <= set(plan["layers_by_kind"])
-        assert plan["bits"]["keys"] == plan["bits"]["values"] == 4
+        from mlx_kvq.defaults import DEFAULT_KV_CONFIG as default  # no --kv-bits given
+
+        assert plan["bits"]["keys"] == default.key_spec.bits
+        assert plan["bits"]["values"] == default.value_spec.bits
         assert plan["quantized_layers"] == plan["kv_layers"] > 0
         assert 0 < plan["bytes_per_token"] < plan["fp16_bytes_per_token"]
         check_quantized_warmup(body)
