@@ -270,9 +270,28 @@ def format_table(results: Sequence[dict], labels: Sequence[str] | None = None) -
 # -- command line ----------------------------------------------------------------
 def _bits(text: str) -> int:
     b = int(text)
-    if b not in SUPPORTED_BITS:
-        raise argparse.ArgumentTypeError(f"bits must be one of {SUPPORTED_BITS}")
+    if b != 0 and b not in SUPPORTED_BITS:
+        raise argparse.ArgumentTypeError(f"bits must be one of {SUPPORTED_BITS} (0: unquantized)")
     return b
+
+
+def kv_config_from_eval_args(args: argparse.Namespace) -> KVConfig:
+    """The setting to evaluate. With none of the bits flags, the default
+    setting of `mlx_kvq/defaults.py` (as `mlx-kvq serve/generate` use);
+    `--kv-bits 0` evaluates unquantized caches (a null check: KL 0)."""
+    from .defaults import DEFAULT_KV_CONFIG
+
+    bits, key_bits, value_bits = args.kv_bits, args.kv_key_bits, args.kv_value_bits
+    rotation = args.kv_rotation
+    if bits is None and key_bits is None and value_bits is None:
+        d = DEFAULT_KV_CONFIG
+        bits, key_bits, value_bits = d.bits, d.key_bits, d.value_bits
+        rotation = rotation or d.rotation
+    return KVConfig.from_args(
+        kv_bits=bits or None, kv_group_size=args.kv_group_size,
+        kv_key_bits=key_bits or None, kv_value_bits=value_bits or None,
+        kv_rotation=rotation or "none",
+    )  # fmt: skip
 
 
 def add_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -293,16 +312,18 @@ def add_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--kv-bits",
         type=_bits,
         default=None,
-        help="bits for keys and values (default: unquantized)",
+        help="bits for keys and values (default: the default setting of mlx_kvq/defaults.py; "
+        "0: unquantized)",
     )
     parser.add_argument("--kv-key-bits", type=_bits, default=None, help="bits for keys")
     parser.add_argument("--kv-value-bits", type=_bits, default=None, help="bits for values")
     parser.add_argument("--kv-group-size", type=int, default=64, choices=SUPPORTED_GROUP_SIZES)
     parser.add_argument(
         "--kv-rotation",
-        default="none",
+        default=None,
         choices=ROTATIONS,
-        help="Hadamard-rotate keys and values before quantizing",
+        help="Hadamard-rotate keys and values before quantizing (default: none, or the "
+        "default setting's when no bits are given)",
     )
     parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per window")
     parser.add_argument(
@@ -363,11 +384,7 @@ def load_eval_inputs(model_path: str | None, text_path: Path | None):
 def run_eval(args: argparse.Namespace) -> int:
     """`mlx-kvq eval`: print a table (or JSON) for one KV setting."""
     try:
-        cfg = KVConfig.from_args(
-            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-            kv_key_bits=args.kv_key_bits, kv_value_bits=args.kv_value_bits,
-            kv_rotation=args.kv_rotation,
-        )  # fmt: skip
+        cfg = kv_config_from_eval_args(args)
         model, _, ids, bos = load_eval_inputs(args.model, args.text)
         result = evaluate(
             model, ids, cfg, context=args.context, chunk=args.chunk, windows=args.windows,

@@ -202,3 +202,17 @@ def test_decode_tail_feeds_one_token_at_a_time(tiny):
     assert rq_dec["kl_mean"] < 1e-2 and rq_dec["top1"] >= 0.9
     # Quantizing a token does not depend on how it arrived: same scores either way.
     assert rq_dec["ppl"] == pytest.approx(rq["ppl"], rel=1e-3)
+
+
+def test_cli_defaults_to_the_default_setting_and_zero_turns_it_off(tiny, monkeypatch, capsys):
+    from mlx_kvq.defaults import DEFAULT_KV_CONFIG
+
+    model, tokens = tiny
+    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, tokens, None))
+    common = ["--context", "32", "--chunk", "16", "--windows", "1", "--json", "--no-progress"]
+    assert ev.main(common) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["setting"] == DEFAULT_KV_CONFIG.describe()
+    assert ev.main(["--kv-bits", "0", *common]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kl_mean"] == 0.0 and data["top1"] == 1.0 and data["bits_per_element"] == 16.0
