@@ -213,7 +213,7 @@ def outlier_table(sections: dict) -> str:
         "|---|---:|---|---:|---:|---:|---:|",
     ]
     for name, sec in sections.items():
-        label = f"{name} (key channel RMS max/median {sec['key_outlier_ratio']:.0f}x)"
+        label = f"{name} (key channel RMS max/median {sec['key_outlier_ratio']:.1f}x)"
         rows = {(r["bits"], r["quantized"], r["rotation"]): r for r in sec["rows"]}
         for bits, which, _ in rows:
             if _ != "none":
