@@ -86,7 +86,8 @@ def run(settings: BenchSettings, log=print) -> list[dict]:
                 if skip_mlx_lm:
                     stats["mlx_lm"] = Stat(
                         skipped=f"predicted {predicted:.0f} s per call > "
-                        f"{settings.mlx_lm_max_call_s:.0f} s cap"
+                        f"{settings.mlx_lm_max_call_s:.0f} s cap",
+                        predicted=predicted,
                     )
                 else:
                     last_mlx_lm[L] = (S, stats["mlx_lm"].median)
@@ -111,6 +112,9 @@ def run(settings: BenchSettings, log=print) -> list[dict]:
                     "seconds": {n: s.to_dict() for n, s in stats.items()},
                     "max_abs_error": err,
                     "speedup_vs_mlx_lm": _ratio(stats["mlx_lm"], stats["ours"]),
+                    "speedup_vs_mlx_lm_predicted": (
+                        predicted / stats["ours"].median if skip_mlx_lm else None
+                    ),
                     "speedup_vs_unquantized": _ratio(stats["unquantized"], stats["ours"]),
                 }  # fmt: skip
                 rows.append(row)

@@ -134,7 +134,11 @@ def environment() -> dict:
 
 def run_bench(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    command = "python -m mlx_kvq.bench " + " ".join(getattr(args, "argv", None) or sys.argv[1:])
+    argv = getattr(args, "argv", None)
+    if argv is not None:  # python -m mlx_kvq.bench
+        command = "python -m mlx_kvq.bench " + " ".join(argv)
+    else:  # mlx-kvq bench
+        command = "mlx-kvq " + " ".join(sys.argv[1:])
     return run(settings, Path(args.out), plots=not args.no_plots, command=command.strip())
 
 

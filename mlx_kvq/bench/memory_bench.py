@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .model_bench import Decoder, build_model, fill, free, kv_shapes, label, make_caches
+from .model_bench import CacheMaker, Decoder, build_model, fill, free, kv_shapes, label
 from .settings import BenchSettings
 
 
@@ -71,10 +71,11 @@ def run(settings: BenchSettings, log=print) -> dict:
     configs = [None, *settings.bits]
     model = build_model(config, dtype, settings.seed)
     shapes = kv_shapes(model)
+    make = CacheMaker(model, gs)
     out: dict = {"dtype": settings.memory_dtype, "group_size": gs, "contexts": [], "peak": []}
     for ctx in sorted(set(settings.contexts) | {settings.memory_context}):
         for b in configs:
-            caches = fill(make_caches(model, b, gs), ctx, shapes, dtype, settings.seed)
+            caches = fill(make(b), ctx, shapes, dtype, settings.seed)
             layers = layer_table(caches, shapes, b, gs, dtype)
             kinds = by_kind(layers)
             out["contexts"].append({
@@ -99,7 +100,7 @@ def run(settings: BenchSettings, log=print) -> dict:
     full_layer_bytes = h * (dk + dv) * ctx * dtype.size
     for b in configs:
         free()
-        caches = fill(make_caches(model, b, gs), ctx, shapes, dtype, settings.seed)
+        caches = fill(make(b), ctx, shapes, dtype, settings.seed)
         dec = Decoder(model, caches)
         dec.step()  # the first step may grow buffers by a 256-token step
         free()
@@ -124,7 +125,7 @@ def run(settings: BenchSettings, log=print) -> dict:
     for p in out["peak"]:
         p["peak_ratio"] = p["peak"] / base["peak"]
     out["params_bytes"] = sum(v.nbytes for v in _params(model))
-    del model
+    del model, make
     free()
     return out
 

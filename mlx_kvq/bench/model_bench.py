@@ -45,12 +45,29 @@ def count_params(model) -> int:
     return sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
-def make_caches(model, bits: int | None, group_size: int) -> list:
-    from ..generate import make_prompt_cache
+class CacheMaker:
+    """Fresh caches for one model: mlx-lm's own when unquantized, else the
+    ones `mlx_kvq.make_prompt_cache(model, kv_bits=...)` returns (the KV
+    plan's caches). Plans are kept here rather than in `make_prompt_cache`'s
+    per-model cache, so they (and the model they reference) are freed with
+    this object between sections."""
 
-    if bits is None:
-        return make_prompt_cache(model)
-    return make_prompt_cache(model, kv_bits=bits, kv_group_size=group_size)
+    def __init__(self, model, group_size: int):
+        self.model, self.group_size = model, group_size
+        self._plans: dict[int, object] = {}
+
+    def __call__(self, bits: int | None) -> list:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from ..config import KVConfig
+        from ..plan import plan_kv
+
+        if bits is None:
+            return make_prompt_cache(self.model)
+        if bits not in self._plans:
+            kv = KVConfig(bits=bits, group_size=self.group_size)
+            self._plans[bits] = plan_kv(self.model, kv)
+        return self._plans[bits].make_cache()
 
 
 def cache_arrays(caches: list) -> list[mx.array]:
@@ -116,11 +133,11 @@ def free() -> None:
 
 
 def decode_cell(
-    model, shapes, dtype, ctx: int, configs, settings: BenchSettings
+    model, make, shapes, dtype, ctx: int, configs, settings: BenchSettings
 ) -> dict[str, Stat]:
     """Seconds per decode step at `ctx` cached tokens, configurations interleaved."""
     decoders = {
-        label(b): Decoder(model, fill(make_caches(model, b, settings.group_size), ctx, shapes, dtype, settings.seed))
+        label(b): Decoder(model, fill(make(b), ctx, shapes, dtype, settings.seed))
         for b in configs
     }  # fmt: skip
     for d in decoders.values():
@@ -131,16 +148,14 @@ def decode_cell(
 
 
 def prefill_cell(
-    model, shapes, dtype, ctx: int, chunk: int, configs, settings: BenchSettings
+    model, make, shapes, dtype, ctx: int, chunk: int, configs, settings: BenchSettings
 ) -> dict[str, Stat]:
     """Seconds to prefill one `chunk` on top of `ctx - chunk` cached tokens."""
     mx.random.seed(settings.seed + 1)
     tokens = mx.random.randint(0, model.args.vocab_size, (1, chunk))
 
     def once(b) -> float:
-        caches = fill(
-            make_caches(model, b, settings.group_size), ctx - chunk, shapes, dtype, settings.seed
-        )
+        caches = fill(make(b), ctx - chunk, shapes, dtype, settings.seed)
         t = time.perf_counter()
         logits = model(tokens, cache=caches)
         mx.eval(logits[:, -1, :], cache_arrays(caches))
@@ -162,14 +177,15 @@ def run(settings: BenchSettings, log=print) -> dict:
         model = build_model(config, dtype, settings.seed)
         out["params"] = count_params(model)
         shapes = kv_shapes(model)
+        make = CacheMaker(model, settings.group_size)
         for ctx in settings.contexts:
             row = {"dtype": dtype_name, "context": ctx}
-            stats = decode_cell(model, shapes, dtype, ctx, configs, settings)
+            stats = decode_cell(model, make, shapes, dtype, ctx, configs, settings)
             row["decode_tps"] = {n: s.rate(1.0).to_dict(3) for n, s in stats.items()}
             row["decode_ratio"] = _ratios(stats, configs)
             free()
             chunk = min(settings.prefill_chunk, ctx)
-            pstats = prefill_cell(model, shapes, dtype, ctx, chunk, configs, settings)
+            pstats = prefill_cell(model, make, shapes, dtype, ctx, chunk, configs, settings)
             row["prefill_tps"] = {n: s.rate(chunk).to_dict(3) for n, s in pstats.items()}
             row["prefill_chunk"] = chunk
             row["prefill_ratio"] = _ratios(pstats, configs)
@@ -185,7 +201,7 @@ def run(settings: BenchSettings, log=print) -> dict:
                 + " prefill "
                 + " ".join(f"{k} {v['median']:.2f}x" for k, v in row["prefill_ratio"].items())
             )
-        del model
+        del model, make
         free()
     return out
 

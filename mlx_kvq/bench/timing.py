@@ -22,6 +22,7 @@ class Stat:
 
     samples: list[float] = field(default_factory=list)
     skipped: str | None = None
+    predicted: float | None = None  # an estimate standing in for a skipped measurement
 
     @property
     def ok(self) -> bool:
@@ -45,7 +46,10 @@ class Stat:
 
     def to_dict(self, digits: int = 6) -> dict:
         if not self.samples:
-            return {"median": None, "min": None, "max": None, "n": 0, "skipped": self.skipped}
+            d = {"median": None, "min": None, "max": None, "n": 0, "skipped": self.skipped}
+            if self.predicted is not None:
+                d["predicted"] = round(self.predicted, digits)
+            return d
         return {
             "median": round(self.median, digits),
             "min": round(self.min, digits),
