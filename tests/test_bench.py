@@ -68,6 +68,13 @@ def test_json_has_every_section_and_configuration(quick_run):
         assert set(r["generation_tps"]) == {"unquantized", "4-bit"}
         assert all(_stat_ok(v) for v in r["generation_tps"].values())
         assert _stat_ok(r["generation_ratio"]["4-bit"])
+        for what in ("model_forward_tps", "scaling", "model_forward_scaling", "engine_efficiency"):
+            assert set(r[what]) == {"unquantized", "4-bit"}
+            assert all(_stat_ok(v) for v in r[what].values())
+    first = serving["rows"][0]
+    assert all(v["median"] == 1.0 for v in first["scaling"].values())
+    names = [g["goal"] for g in result["goals"]]
+    assert any(n.startswith("serving 4-bit: 2 streams vs 1") for n in names)
 
 
 def test_memory_matches_theory_per_held_slot(quick_run):
@@ -129,7 +136,7 @@ def test_plots_or_a_message(tmp_path, quick_run):
     except ImportError:
         assert paths == [] and "matplotlib" in message
     else:
-        assert message is None and len(paths) == 3
+        assert message is None and len(paths) == 4
         for p in paths:
             assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 

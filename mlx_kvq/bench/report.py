@@ -12,6 +12,8 @@ GOAL_ATTENTION_SPEEDUP = 5.0
 GOAL_ATTENTION_CONTEXT = 16384
 GOAL_BYTES_DEVIATION = 0.02
 GOAL_BITS = "4-bit"
+GOAL_SERVING_SCALING = 4.0
+GOAL_SERVING_RATIO = 0.9
 
 
 def write_json(result: dict, path: Path) -> None:
@@ -101,6 +103,32 @@ def goals(result: dict) -> list[dict]:
                         "target": 1.0,
                         "met": p["peak"] < base["peak"],
                     }
+                )
+    srv = result.get("serving")
+    if srv and len(srv["rows"]) > 1:
+        first, last = srv["rows"][0], srv["rows"][-1]
+        for name, st in last["scaling"].items():
+            if st.get("median") is not None:
+                out.append(
+                    {
+                        **_goal(
+                            f"serving {name}: {last['streams']} streams vs {first['streams']}, "
+                            "aggregate generation tokens/s",
+                            st["median"],
+                            GOAL_SERVING_SCALING,
+                        ),
+                        "note": "bare model forward at the same batch sizes: "
+                        f"{last['model_forward_scaling'][name]['median']:.2f}x",
+                    }
+                )
+        for name, st in last["generation_ratio"].items():
+            if st.get("median") is not None:
+                out.append(
+                    _goal(
+                        f"serving {name} vs unquantized at {last['streams']} streams",
+                        st["median"],
+                        GOAL_SERVING_RATIO,
+                    )
                 )
     return out  # fmt: skip
 
@@ -276,9 +304,11 @@ def markdown(result: dict) -> str:
             + " | "
             + " | ".join(f"{n} / unquantized" for n in names[1:])
             + " | "
+            + " | ".join(f"{n} vs {srv['rows'][0]['streams']} stream" for n in names)
+            + " | "
             + " | ".join(f"{n} end-to-end tok/s" for n in names)
             + " |",
-            "|---|" + "---|" * (3 * len(names) - 1),
+            "|---|" + "---|" * (4 * len(names) - 1),
         ]
         for r in srv["rows"]:
             lines.append(
@@ -287,7 +317,34 @@ def markdown(result: dict) -> str:
                 + " | "
                 + " | ".join(_x(r["generation_ratio"][n]) for n in names[1:])
                 + " | "
+                + " | ".join(_x(r["scaling"][n]) for n in names)
+                + " | "
                 + " | ".join(_spread(r["end_to_end_tps"][n]) for n in names)
+                + " |"
+            )
+        lines += [
+            "",
+            "The ceiling: the same model's bare forward pass at the same batch sizes "
+            "(no engine; greedy tokens fed back, the same caches), measured in the same "
+            "rounds. Batching cannot scale the engine past what it does for the model itself.",
+            "",
+            "| streams | "
+            + " | ".join(f"{n} bare forward tok/s" for n in names)
+            + " | "
+            + " | ".join(f"{n} bare vs {srv['rows'][0]['streams']} stream" for n in names)
+            + " | "
+            + " | ".join(f"{n} engine / bare" for n in names)
+            + " |",
+            "|---|" + "---|" * (3 * len(names)),
+        ]
+        for r in srv["rows"]:
+            lines.append(
+                f"| {r['streams']} | "
+                + " | ".join(_spread(r["model_forward_tps"][n]) for n in names)
+                + " | "
+                + " | ".join(_x(r["model_forward_scaling"][n]) for n in names)
+                + " | "
+                + " | ".join(_x(r["engine_efficiency"][n]) for n in names)
                 + " |"
             )
         lines.append("")
@@ -404,6 +461,25 @@ def plots(result: dict, out_dir: Path) -> tuple[list[str], str | None]:
                 ax.legend(fontsize=7)
         fig.tight_layout()
         paths.append(_save(fig, out_dir / "bench_attention.png", plt))
+    srv = result.get("serving")
+    if srv and srv["rows"]:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        xs = [r["streams"] for r in srv["rows"]]
+        for name in srv["rows"][0]["generation_tps"]:
+            _line(ax, xs, [r["generation_tps"][name] for r in srv["rows"]], f"engine, {name}")
+            if all(r["model_forward_tps"][name].get("median") for r in srv["rows"]):
+                _line(
+                    ax, xs, [r["model_forward_tps"][name] for r in srv["rows"]],
+                    f"bare forward, {name}",
+                )  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams", fontsize=8)
+        ax.set_ylabel("generation tokens/s (all streams)", fontsize=8)
+        ax.set_title(f"serving, {srv['dtype']} model", fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir / "bench_serving.png", plt))
     return paths, None
 
 

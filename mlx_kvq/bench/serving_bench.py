@@ -7,6 +7,13 @@ distinct random prompts (no prompt-cache reuse) are submitted at once;
 aggregate generation tokens/s is generated tokens over the engine's decode
 time (from its step statistics), and end-to-end tokens/s is generated tokens
 over wall time from submission to the last finish (prefill included).
+
+Beside each engine figure, the same model's bare forward pass at batch N
+(no engine, no scheduling, greedy tokens fed back, the same caches) gives
+the ceiling that batching can reach on this backend: the engine's
+efficiency is its figure over that ceiling. On a backend whose matrix
+products are compute-bound already at batch 1 (MLX's CPU backend), the
+ceiling itself grows far less than N-fold.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import time
 
 import mlx.core as mx
 
-from .model_bench import build_model, free, label
+from .model_bench import CacheMaker, build_model, free, label
 from .settings import BenchSettings
 from .timing import Stat, paired_ratio
 
@@ -107,6 +114,22 @@ def _run_once(engine, metrics, n: int, settings: BenchSettings, vocab: int, rng_
     return {"wall": wall, "tokens": state["tokens"], "decode_time": decode_time, "gen_tokens": gen}
 
 
+def _forward_once(
+    model, caches: list, n: int, settings: BenchSettings, vocab: int, seed: int
+) -> float:
+    """Generation tokens/s of the bare model at batch `n`: prefill the
+    prompts, then `serving_tokens` greedy steps, each evaluated."""
+    mx.random.seed(seed)
+    prompts = mx.random.randint(1, vocab, (n, settings.serving_prompt))
+    tokens = mx.argmax(model(prompts, cache=caches)[:, -1:, :], axis=-1)
+    mx.eval(tokens)
+    t0 = time.perf_counter()
+    for _ in range(settings.serving_tokens):
+        tokens = mx.argmax(model(tokens, cache=caches)[:, -1:, :], axis=-1)
+        mx.eval(tokens)
+    return n * settings.serving_tokens / (time.perf_counter() - t0)
+
+
 def run(settings: BenchSettings, log=print) -> dict:
     from ..config import KVConfig
     from ..engine import Engine, EngineOptions
@@ -144,6 +167,11 @@ def run(settings: BenchSettings, log=print) -> dict:
         runs: dict[int, dict[str, list[dict]]] = {
             n: {name: [] for name in engines} for n in settings.streams
         }
+        ceiling: dict[int, dict[str, list[float]]] = {
+            n: {name: [] for name in engines} for n in settings.streams
+        }
+        bits_of = {label(b): b for b in configs}
+        make_caches = CacheMaker(model, settings.group_size)
         names = list(engines)
         for r in range(settings.serving_repeats):
             for n in settings.streams:
@@ -151,26 +179,44 @@ def run(settings: BenchSettings, log=print) -> dict:
                     engine, metrics = engines[name]
                     seed = settings.seed + 1000 * r + n
                     runs[n][name].append(_run_once(engine, metrics, n, settings, vocab, seed))
+                    caches = make_caches(bits_of[name])
+                    ceiling[n][name].append(_forward_once(model, caches, n, settings, vocab, seed))
+                    del caches
     finally:
         for engine, _ in engines.values():
             engine.stop()
+    first = min(settings.streams)
+
+    def gen_stat(n: int, name: str) -> Stat:
+        return Stat(
+            [x["gen_tokens"] / x["decode_time"] for x in runs[n][name] if x["decode_time"] > 0]
+        )
+
     for n in settings.streams:
         row: dict = {
             "streams": n,
             "generation_tps": {},
             "end_to_end_tps": {},
             "generation_ratio": {},
+            "scaling": {},
+            "model_forward_tps": {},
+            "model_forward_scaling": {},
+            "engine_efficiency": {},
         }
-        gen: dict[str, Stat] = {}
         for name, rs in runs[n].items():
-            gen[name] = Stat(
-                [x["gen_tokens"] / x["decode_time"] for x in rs if x["decode_time"] > 0]
-            )
-            row["generation_tps"][name] = gen[name].to_dict(3)
+            gen = gen_stat(n, name)
+            forward = Stat(ceiling[n][name])
+            row["generation_tps"][name] = gen.to_dict(3)
             row["end_to_end_tps"][name] = Stat([x["tokens"] / x["wall"] for x in rs]).to_dict(3)
+            row["scaling"][name] = paired_ratio(gen, gen_stat(first, name)).to_dict(4)
+            row["model_forward_tps"][name] = forward.to_dict(3)
+            row["model_forward_scaling"][name] = paired_ratio(
+                forward, Stat(ceiling[first][name])
+            ).to_dict(4)
+            row["engine_efficiency"][name] = paired_ratio(gen, forward).to_dict(4)
         for b in settings.serving_bits:
             row["generation_ratio"][label(b)] = paired_ratio(
-                gen[label(b)], gen[label(None)]
+                gen_stat(n, label(b)), gen_stat(n, label(None))
             ).to_dict(4)
         out["rows"].append(row)
         log(
@@ -178,6 +224,10 @@ def run(settings: BenchSettings, log=print) -> dict:
             + "  ".join(f"{k} {v['median']:.1f}/s" for k, v in row["generation_tps"].items())
             + "  ratio "
             + " ".join(f"{k} {v['median']:.2f}x" for k, v in row["generation_ratio"].items())
+            + f"  vs {first} stream(s) "
+            + " ".join(f"{k} {v['median']:.2f}x" for k, v in row["scaling"].items())
+            + "  bare forward "
+            + "  ".join(f"{k} {v['median']:.1f}/s" for k, v in row["model_forward_tps"].items())
         )
     del model, engines
     free()
