@@ -2,7 +2,7 @@
 
 A `Store` is a key or value tensor laid out like mlx-lm's cache buffers,
 `(batch, heads, tokens, dim)`, held either raw (one array in the model's
-dtype) or quantized (packed uint32, float16 scales, float16 biases). Every
+dtype) or quantized (packed uint32 plus 16-bit scales and biases). Every
 structural operation a cache needs (slice, write a slot, append, roll, pad,
 take batch rows) indexes only the leading axes, so it applies unchanged to
 each part: the cache classes are written once and work in both forms.
@@ -21,7 +21,19 @@ import mlx.core as mx
 
 from .config import QuantSpec
 
-SCALE_DTYPE = mx.float16
+
+def scale_dtype(dtype: mx.Dtype) -> mx.Dtype:
+    """16-bit type of the scales and biases for inputs of `dtype`.
+
+    bfloat16 inputs keep bfloat16 scales: their range is float32's, so a
+    group with values past float16's 65504 (large activations are common in
+    bfloat16-trained models) cannot turn into inf, and the scales are as
+    precise as the inputs. Everything else gets float16, whose three extra
+    mantissa bits matter at 8 bits. Either way 16 bits: `bits/8 + 4/group`
+    bytes per element.
+    """
+    return mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
+
 
 
 def rotate(x: mx.array) -> mx.array:
@@ -51,10 +63,15 @@ class QuantizedKV:
         )
 
     def dequantize(self, dtype: mx.Dtype = mx.float16) -> mx.array:
-        """Full-precision copy in the original (unrotated) basis."""
+        """Full-precision copy in the original (unrotated) basis, computed
+        in `dtype` (float32 output is not rounded through 16 bits)."""
         x = mx.dequantize(
-            self.data, self.scales, self.biases, group_size=self.group_size, bits=self.bits
-        ).astype(dtype)
+            self.data,
+            self.scales.astype(dtype),
+            self.biases.astype(dtype),
+            group_size=self.group_size,
+            bits=self.bits,
+        )
         return rotate(x) if self.rotated else x
 
 
@@ -80,7 +97,8 @@ class Store:
         if spec.rotation == "hadamard":
             x = rotate(x)
         w, s, b = mx.quantize(x, group_size=spec.group_size, bits=spec.bits)
-        return cls((w, s.astype(SCALE_DTYPE), b.astype(SCALE_DTYPE)), spec)
+        sd = scale_dtype(x.dtype)
+        return cls((w, s.astype(sd), b.astype(sd)), spec)
 
     def zeros(self, length: int, batch: int | None = None) -> Store:
         """An all-zero store shaped like this one with `length` tokens."""
@@ -93,7 +111,10 @@ class Store:
     @staticmethod
     def concat(stores: Sequence[Store], axis: int = 2) -> Store:
         first = stores[0]
-        parts = [mx.concatenate([s.parts[i] for s in stores], axis=axis) for i in range(len(first.parts))]
+        parts = [
+            mx.concatenate([s.parts[i].astype(a.dtype) for s in stores], axis=axis)
+            for i, a in enumerate(first.parts)
+        ]
         return Store(parts, first.spec)
 
     # -- structure ----------------------------------------------------------
@@ -148,7 +169,7 @@ class Store:
         """Full-precision array in the original basis."""
         if not self.quantized:
             return self.parts[0] if dtype is None else self.parts[0].astype(dtype)
-        return self.fetch().dequantize(dtype or mx.float16)
+        return self.fetch().dequantize(dtype or self.parts[1].dtype)
 
     # -- serialization ------------------------------------------------------
     def to_state(self) -> list:

@@ -12,6 +12,7 @@ import numpy as np
 from mlx_kvq.quant import QuantizedKV, rotate
 
 F16_HALF_ULP = 2.0**-11  # relative half-ulp of float16
+HALF_ULP = {mx.float16: F16_HALF_ULP, mx.bfloat16: 2.0**-8, mx.float32: 2.0**-24}
 
 
 # -- quantization error bound --------------------------------------------------
@@ -32,11 +33,11 @@ def error_bound(q: QuantizedKV, ref: mx.array) -> mx.array:
     """Per-element bound on |dequantize(q) - ref|, derived from the data.
 
     MLX's affine quantizer stores per group a scale `s` and bias `b` (cast to
-    float16 here) and reconstructs `b + s * k`, `k` in `0 .. 2^bits - 1`.
+    16-bit here: float16, or bfloat16 for bfloat16 inputs) and reconstructs `b + s * k`, `k` in `0 .. 2^bits - 1`.
     An element inside the grid's range is within `|s|/2` of a grid point; MLX
     moves the grid so that 0 is exactly representable, which can leave the
     group's far extreme up to about one step outside the range, so those
-    elements are additionally allowed their distance to the range. Float16
+    elements are additionally allowed their distance to the range. 16-bit
     storage of `s` and `b` adds `(2^bits - 1) * ulp(s)/2 + ulp(b)/2` (twice
     for `s`: once for the grid point, once for the range edge).
     """
@@ -50,7 +51,8 @@ def error_bound(q: QuantizedKV, ref: mx.array) -> mx.array:
     shape = ref.shape
     x = ref.astype(mx.float32).reshape(*shape[:-1], shape[-1] // g, g)
     outside = mx.maximum(0.0, mx.maximum(lo - x, x - hi))
-    per_group = s * (0.5 + 2 * n * F16_HALF_ULP) + mx.abs(b) * 2 * F16_HALF_ULP + 1e-6
+    u = HALF_ULP[q.scales.dtype]
+    per_group = s * (0.5 + 2 * n * u) + mx.abs(b) * 2 * u + 1e-6
     bound = per_group[..., None] + outside + 1e-6 * mx.abs(x)
     return bound.reshape(shape)
 

@@ -181,3 +181,38 @@ def test_dispatch_and_mlx_lm_tuples():
         c, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
     ).item()
     assert mx.allclose(a, _reference(q, kq, vq, 0.125, "causal"), atol=2e-5).item()
+
+
+def test_bfloat16_beyond_float16_range():
+    """bfloat16 K/V past float16's 65504 keep finite bfloat16 scales (float16
+    ones would be inf and turn attention into NaN), at 16 bits per scale."""
+    rng = np.random.default_rng(11)
+    q, k, v = _qkv(rng, 1, 4, 2, 2, 40)
+    k, v = (k * 3e5).astype(mx.bfloat16), (v * 3e5).astype(mx.bfloat16)
+    kq, vq = _pack(k, QuantSpec(4)), _pack(v, QuantSpec(8))
+    assert kq.scales.dtype == vq.biases.dtype == mx.bfloat16
+    assert mx.all(mx.isfinite(kq.scales)).item() and mx.all(mx.isfinite(vq.biases)).item()
+    store = Store.encode(v, QuantSpec(4))
+    assert store.nbytes == v.size * (4 / 8 + 4 / 64)
+    out = attention.quantized_attention(q.astype(mx.bfloat16), kq, vq, 1e-5, "causal")
+    ref = _reference(q, kq, vq, 1e-5, "causal")
+    assert mx.all(mx.isfinite(out)).item()
+    # as close as bfloat16 attention itself gets on the same (dequantized) K/V
+    plain = mx.fast.scaled_dot_product_attention(
+        q.astype(mx.bfloat16), *(_plain(x).astype(mx.bfloat16) for x in (kq, vq)),
+        scale=1e-5, mask="causal",
+    )  # fmt: skip
+    err = mx.max(mx.abs(out.astype(mx.float32) - ref)).item()
+    plain_err = mx.max(mx.abs(plain.astype(mx.float32) - ref)).item()
+    assert err <= 2 * plain_err + 1e-3 * mx.max(mx.abs(ref)).item()
+
+
+def test_float32_dequantize_is_not_rounded_to_16_bits():
+    rng = np.random.default_rng(12)
+    x = mx.array(rng.standard_normal((1, 2, 8, D)).astype(np.float32)) * 1000 + 12345.678
+    packed = _pack(x, QuantSpec(8))
+    assert packed.scales.dtype == mx.float16
+    exact = dequantize_f32(packed)
+    assert mx.array_equal(packed.dequantize(mx.float32), exact).item()
+    # the float16 path differs: its rounding is what float32 callers must not get
+    assert not mx.array_equal(packed.dequantize(mx.float16).astype(mx.float32), exact).item()
