@@ -16,8 +16,12 @@ conservative choice: +0.05% with rotation, KL 2.7e-3.
 Rotation is on because it lowered the demo model's perplexity change at every
 width of 4 bits or fewer (K4/V3: +0.45% without, +0.09% with; 4-bit:
 +0.16% / +0.05%; 3-bit: +0.91% / +0.42%). At 5, 6 and 8 bits the change is
-within one standard error of zero either way, so `default_rotation` leaves it
-off there (it costs one Hadamard transform per query and per output row).
+within one standard error of zero either way.
+
+Explicit bit flags (`--kv-bits 4`) mean what they mean in mlx-lm, plain
+affine quantization, with no rotation unless `--kv-rotation hadamard` is
+also given: a drop-in flag must not change its meaning, nor start refusing
+models whose head dimension the rotation cannot handle.
 Rotation needs head dimensions of the form m*2^k (m in 1, 12, 20, 28); a
 model without them gets `UnsupportedKVConfig` at plan time: use
 `DEFAULT_KV_CONFIG.with_(rotation="none")` for it.
@@ -29,12 +33,3 @@ from .config import KVConfig
 
 DEFAULT_KV_CONFIG = KVConfig(bits=4, value_bits=3, group_size=64, rotation="hadamard")
 
-# Rotation helped (measured) at these widths and below; above, it made no
-# difference beyond noise.
-ROTATION_MAX_BITS = 4
-
-
-def default_rotation(key_bits: int | None, value_bits: int | None = None) -> str:
-    """The rotation to use when the user picked bit widths but no rotation."""
-    widths = [b for b in (key_bits, value_bits) if b is not None]
-    return "hadamard" if widths and min(widths) <= ROTATION_MAX_BITS else "none"
