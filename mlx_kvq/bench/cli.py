@@ -70,6 +70,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="samples per figure for decode and attention (default 5)",
     )
     p.add_argument("--prefill-repeats", type=int, default=None, help="default 3")
+    p.add_argument(
+        "--serving-repeats", type=int, default=None, help="rounds per stream count (default 3)"
+    )
     p.add_argument("--prefill-chunk", type=int, default=None, help="default 128")
     p.add_argument("--memory-context", type=int, default=None, help="default 16384")
     p.add_argument(
@@ -98,6 +101,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         "prefill_repeats": args.prefill_repeats, "prefill_chunk": args.prefill_chunk,
         "memory_context": args.memory_context, "memory_dtype": args.memory_dtype, "streams": args.streams,
         "mlx_lm_max_call_s": args.mlx_lm_max_call_s, "seed": args.seed,
+        "serving_repeats": args.serving_repeats,
     }  # fmt: skip
     s = replace(s, **{k: v for k, v in changes.items() if v is not None})
     if args.model_config:

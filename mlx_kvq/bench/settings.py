@@ -73,7 +73,7 @@ class BenchSettings:
     serving_bits: tuple[int, ...] = (4,)
     serving_prompt: int = 64
     serving_tokens: int = 32
-    serving_repeats: int = 2
+    serving_repeats: int = 3
 
     def to_dict(self) -> dict:
         d = asdict(self)
