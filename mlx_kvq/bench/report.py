@@ -296,8 +296,10 @@ def markdown(result: dict) -> str:
             "",
             f"{srv['engine']} in-process (no HTTP), model dtype {srv['dtype']}; each stream: "
             f"{s['serving_prompt']}-token prompt, {s['serving_tokens']} generated tokens. "
-            "Generation tokens/s: generated tokens over the engine's decode time; "
-            "end-to-end: over wall time from submission to the last finish.",
+            "Generation tokens/s: wall clock, the tokens generated after every stream has "
+            "its first token over the time from then to the last token (decode only); "
+            "end-to-end: all generated tokens over the wall time from submission to the "
+            "last finish.",
             "",
             "| streams | "
             + " | ".join(f"{n} gen tok/s" for n in names)
