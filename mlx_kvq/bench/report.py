@@ -398,12 +398,7 @@ def plots(result: dict, out_dir: Path) -> tuple[list[str], str | None]:
                         [r[f"{what}_tps"][name] for r in rows],
                         name,
                     )
-                ax.set_xscale("log", base=2)
-                ax.set_title(f"{what}, {dt}", fontsize=9)
-                ax.set_xlabel("context (tokens)", fontsize=8)
-                ax.set_ylabel("tokens/s", fontsize=8)
-                ax.tick_params(labelsize=7)
-                ax.legend(fontsize=7)
+                _style(ax, f"{what}, {dt}", "context (tokens)", "tokens/s")
         fig.tight_layout()
         paths.append(_save(fig, out_dir / "bench_model_speed.png", plt))
     mem = result.get("memory")
@@ -416,12 +411,7 @@ def plots(result: dict, out_dir: Path) -> tuple[list[str], str | None]:
                 if e["config"] == name
             ]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)", fontsize=8)
-        ax.set_ylabel("KV cache held (MiB)", fontsize=8)
-        ax.set_title(f"KV memory, {mem['dtype']} model", fontsize=9)
-        ax.tick_params(labelsize=7)
-        ax.legend(fontsize=7)
+        _style(ax, f"KV memory, {mem['dtype']} model", "context (tokens)", "KV cache held (MiB)")
         fig.tight_layout()
         paths.append(_save(fig, out_dir / "bench_kv_memory.png", plt))
     att = result.get("attention")
@@ -454,13 +444,9 @@ def plots(result: dict, out_dir: Path) -> tuple[list[str], str | None]:
                             ],
                             name,
                         )
-                ax.set_xscale("log", base=2)
                 ax.set_yscale("log")
-                ax.set_title(f"{dt}, {L} {'query' if L == 1 else 'queries'}", fontsize=9)
-                ax.set_xlabel("cached tokens", fontsize=8)
-                ax.set_ylabel("ms per call", fontsize=8)
-                ax.tick_params(labelsize=7)
-                ax.legend(fontsize=7)
+                title = f"{dt}, {L} {'query' if L == 1 else 'queries'}"
+                _style(ax, title, "cached tokens", "ms per call")
         fig.tight_layout()
         paths.append(_save(fig, out_dir / "bench_attention.png", plt))
     srv = result.get("serving")
@@ -474,15 +460,23 @@ def plots(result: dict, out_dir: Path) -> tuple[list[str], str | None]:
                     ax, xs, [r["model_forward_tps"][name] for r in srv["rows"]],
                     f"bare forward, {name}",
                 )  # fmt: skip
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streams", fontsize=8)
-        ax.set_ylabel("generation tokens/s (all streams)", fontsize=8)
-        ax.set_title(f"serving, {srv['dtype']} model", fontsize=9)
-        ax.tick_params(labelsize=7)
-        ax.legend(fontsize=7)
+        _style(
+            ax, f"serving, {srv['dtype']} model", "concurrent streams",
+            "generation tokens/s (all streams)",
+        )  # fmt: skip
         fig.tight_layout()
         paths.append(_save(fig, out_dir / "bench_serving.png", plt))
     return paths, None
+
+
+def _style(ax, title: str, xlabel: str, ylabel: str) -> None:
+    """Log-2 x axis, small labels, a legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7)
 
 
 def _line(ax, xs, stats, name):
