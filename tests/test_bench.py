@@ -223,3 +223,44 @@ def test_attention_fast_paths_half_precision(monkeypatch, dtype):
     half = attention.quantized_attention(q.astype(getattr(mx, dtype)), kq, kq, 0.125, "causal")
     assert half.dtype == getattr(mx, dtype)
     assert mx.max(mx.abs(half.astype(mx.float32) - exact)).item() < 0.05
+
+
+def test_a_section_the_backend_cannot_run_is_reported_not_fatal(tmp_path, monkeypatch):
+    """A model dtype the backend cannot run is skipped with the reason; a
+    failing section leaves a note, the others still write their results,
+    and the exit status says something was not run."""
+    from dataclasses import replace
+
+    import mlx.core as mx
+
+    from mlx_kvq.bench import memory_bench, model_bench
+
+    real_build = model_bench.build_model
+
+    def build(config, dtype, seed=0):
+        model = real_build(config, dtype, seed)
+        if dtype == mx.float16:
+
+            def refuse(*args, **kwargs):
+                raise RuntimeError("[Op::eval] not in float16 here")
+
+            return refuse
+        return model
+
+    def memory_fails(settings, log=print):
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(model_bench, "build_model", build)
+    monkeypatch.setattr(model_bench, "count_params", lambda model: 1)
+    monkeypatch.setattr(memory_bench, "run", memory_fails)
+    settings = replace(quick(), sections=("model", "memory"), contexts=(48,))
+    rc = cli.run(settings, tmp_path, plots=False, log=lambda *a: None)
+    assert rc == 1
+    result = json.loads((tmp_path / "bench.json").read_text())
+    model = result["model"]
+    assert model["skipped"] == [{"dtype": "float16", "reason": "[Op::eval] not in float16 here"}]
+    assert [r["dtype"] for r in model["rows"]] == ["float32"]
+    assert "memory" not in result
+    assert any("memory section not run" in n and "no kernel" in n for n in result["notes"])
+    md = (tmp_path / "bench.md").read_text()
+    assert "Not run in float16" in md and "memory section not run" in md

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -13,6 +14,19 @@ from dataclasses import replace
 from pathlib import Path
 
 from .settings import MODELS, SECTIONS, BenchSettings, quick
+
+SECTION_MODULES = {
+    "attention": "attention_bench",
+    "model": "model_bench",
+    "memory": "memory_bench",
+    "serving": "serving_bench",
+}
+SECTION_TITLES = {
+    "attention": "attention alone",
+    "model": "model",
+    "memory": "memory",
+    "serving": "serving",
+}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -165,26 +179,19 @@ def run(
         "settings": settings.to_dict(),
         "notes": [],
     }
-    if "attention" in settings.sections:
-        from . import attention_bench
-
-        log("attention alone:")
-        result["attention"] = attention_bench.run(settings, log)
-    if "model" in settings.sections:
-        from . import model_bench
-
-        log("model:")
-        result["model"] = model_bench.run(settings, log)
-    if "memory" in settings.sections:
-        from . import memory_bench
-
-        log("memory:")
-        result["memory"] = memory_bench.run(settings, log)
-    if "serving" in settings.sections:
-        from . import serving_bench
-
-        log("serving:")
-        result["serving"] = serving_bench.run(settings, log)
+    failed = []
+    for name in SECTIONS:
+        if name not in settings.sections:
+            continue
+        module = importlib.import_module(f"{__package__}.{SECTION_MODULES[name]}")
+        log(f"{SECTION_TITLES[name]}:")
+        try:
+            result[name] = module.run(settings, log)
+        except RuntimeError as e:  # the backend cannot run it (an MLX op, a dtype)
+            failed.append(name)
+            note = f"{name} section not run: {type(e).__name__}: {e}"
+            result["notes"].append(note)
+            log(f"  {note}")
     result["duration_s"] = time.perf_counter() - t0
     result["goals"] = report.goals(result)
     if plots:
@@ -200,7 +207,7 @@ def run(
         val = "-" if g["value"] is None else f"{g['value']:.3f}"
         log(f"goal: {g['goal']}: {val} (target {g['target']}) {met}")
     log(f"wrote {out / 'bench.json'} and {out / 'bench.md'} in {result['duration_s']:.0f} s")
-    return 0
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

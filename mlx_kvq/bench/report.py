@@ -219,15 +219,17 @@ def markdown(result: dict) -> str:
             "## Model",
             "",
             f"{cfg['model_type']}, {model['params'] / 1e6:.1f}M parameters, random weights: "
-            f"{cfg['num_hidden_layers']} layers (sliding window {cfg.get('sliding_window')}, "
-            f"one full-attention layer in {cfg.get('sliding_window_pattern')}), hidden "
+            f"{cfg['num_hidden_layers']} layers ({_layout(cfg)}), hidden "
             f"{cfg['hidden_size']}, {cfg['num_attention_heads']} query / "
-            f"{cfg['num_key_value_heads']} KV heads of dim {cfg['head_dim']}, vocabulary "
+            f"{cfg.get('num_key_value_heads', cfg['num_attention_heads'])} KV heads of dim "
+            f"{cfg.get('head_dim', cfg['hidden_size'] // cfg['num_attention_heads'])}, vocabulary "
             f"{cfg['vocab_size']}. Caches filled to the context with random K/V; decode: "
             f"{s['decode_tokens']} greedy steps per sample; prefill: one "
             f"{s['prefill_chunk']}-token chunk on top of context - chunk cached tokens.",
             "",
         ]
+        for skip in model.get("skipped", []):
+            lines += [f"Not run in {skip['dtype']}: this backend cannot: {skip['reason']}", ""]
         for what in ("decode", "prefill"):
             lines += [
                 f"### {what.capitalize()} tokens/s",
@@ -359,6 +361,25 @@ def markdown(result: dict) -> str:
     if result.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in result["notes"]] + [""]
     return "\n".join(lines)
+
+
+def _layout(cfg: dict) -> str:
+    """The attention schedule of a model config, in words."""
+    if cfg.get("layer_types"):
+        counts: dict[str, int] = {}
+        for t in cfg["layer_types"]:
+            counts[t] = counts.get(t, 0) + 1
+        kinds = ", ".join(f"{n} {t}" for t, n in counts.items())
+        window = cfg.get("sliding_window")
+        return kinds + (f"; sliding window {window}" if window else "")
+    if cfg.get("sliding_window") and cfg.get("sliding_window_pattern"):
+        return (
+            f"sliding window {cfg['sliding_window']}, one full-attention layer in "
+            f"{cfg['sliding_window_pattern']}"
+        )
+    if cfg.get("sliding_window"):
+        return f"sliding window {cfg['sliding_window']}"
+    return "full attention"
 
 
 def _vs_mlx_lm(r: dict) -> str:
