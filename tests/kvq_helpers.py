@@ -86,15 +86,15 @@ def assert_close_dequantized(got: mx.array, packed, ref: mx.array, what: str = "
 
     `packed` is the stored form it came from; its data-derived bound applies
     element-wise, or per token vector in L2 when the store is rotated (the
-    rotation is orthonormal). Dequantizing through float16 scales adds a
-    float16 rounding of the result.
+    rotation is orthonormal). Dequantizing in the model's dtype adds one
+    rounding to that dtype.
     """
     assert got.dtype == ref.dtype and tuple(got.shape) == tuple(ref.shape), what
     if not isinstance(packed, QuantizedKV):
         assert mx.array_equal(got, ref).item(), what
         return
     target = rotate(ref.astype(mx.float32)) if packed.rotated else ref.astype(mx.float32)
-    bound = error_bound(packed, target) + mx.abs(target) * 2 * F16_HALF_ULP + 1e-4
+    bound = error_bound(packed, target) + mx.abs(target) * 2 * HALF_ULP[got.dtype] + 1e-4
     err = got.astype(mx.float32) - ref.astype(mx.float32)
     if packed.rotated:
         ok = mx.all(mx.sqrt((err**2).sum(-1)) <= mx.sqrt((bound**2).sum(-1)) * 1.01).item()

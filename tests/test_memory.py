@@ -1,6 +1,6 @@
 """Memory: at 4 bits, group 64, every KV layer holds at most 0.29x the bytes
 of a float16 cache holding the same token slots (theory: (4/8 + 2*2/64) / 2
-= 0.28125 per element, packed data plus float16 scales and biases).
+= 0.28125 per element, packed data plus 16-bit scales and biases).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def state_bytes(cache) -> int:
 
 
 def ring_bytes(spec: QuantSpec, batch: int, slots: int) -> int:
-    """Packed data + float16 scales and biases for `slots` tokens, K and V."""
+    """Packed data + 16-bit scales and biases for `slots` tokens, K and V."""
     per_token = H * (D * spec.bits // 8 + 2 * 2 * D // spec.group_size)
     return 2 * batch * slots * per_token
 
