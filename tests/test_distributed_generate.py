@@ -129,6 +129,8 @@ def test_a_rank_that_cannot_honour_the_plan_stops_the_group(launched):
         mine = [line for line in errors if f"mlx-kvq: error: rank {r}: " in line]
         assert len(mine) == 1, result.stderr[-3000:]
         assert "cannot be honoured on rank 1 of 2" in mine[0] and "injected" in mine[0]
-    assert "Node with rank 0 exited with code 2" in result.stderr
-    # rank 1 exits 2 as well, unless mlx.launch, seeing rank 0 exit first, terminates it
-    assert re.search(r"Node with rank 1 (exited with code (2|-15)|was killed)", result.stderr)
+    # Each rank exits 2, unless mlx.launch, seeing the other exit first,
+    # terminates it; at least one exit 2 is always seen.
+    assert re.search(r"Node with rank [01] exited with code 2", result.stderr), result.stderr[-3000:]
+    for r in (0, 1):
+        assert re.search(rf"Node with rank {r} (exited with code (2|-15)|was killed)", result.stderr)

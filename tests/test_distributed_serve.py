@@ -202,7 +202,7 @@ def test_pipeline_parallel_server_and_a_dead_rank(tmp_path):
         assert body["status"] == "failed" and "rank 1 of 2 is lost" in body["reason"], body
 
         t.join(BOUND_S)
-        assert not t.is_alive(), "the in-flight request hangs"
+        assert not t.is_alive(), "the in-flight request hangs; rank 0:\n" + group.log(0)[-4000:]
         if "error" in outcome:  # it was still generating when rank 1 died
             assert "rank 1 of 2 is lost" in outcome["error"]
         else:  # it had already finished: nothing was lost
