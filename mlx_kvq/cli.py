@@ -47,19 +47,14 @@ def kv_config_from_args(args: argparse.Namespace) -> KVConfig:
     default from `mlx_kvq/defaults.py` applies (bits and rotation);
     `--kv-bits 0` turns quantization off.
     """
-    from .defaults import DEFAULT_KV_CONFIG
+    from .defaults import resolve_widths
 
-    bits, key_bits, value_bits = args.kv_bits, args.kv_key_bits, args.kv_value_bits
-    rotation = args.kv_rotation
-    if bits is None and key_bits is None and value_bits is None:
-        d = DEFAULT_KV_CONFIG
-        bits, key_bits, value_bits = d.bits, d.key_bits, d.value_bits
-        rotation = rotation or d.rotation
-    if bits == 0:
-        bits = None
+    bits, key_bits, value_bits, rotation = resolve_widths(
+        args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation
+    )
     return KVConfig.from_args(
-        kv_bits=bits, kv_group_size=args.kv_group_size, kv_key_bits=key_bits,
-        kv_value_bits=value_bits, kv_rotation=rotation or "none",
+        kv_bits=bits or None, kv_group_size=args.kv_group_size, kv_key_bits=key_bits,
+        kv_value_bits=value_bits, kv_rotation=rotation,
         quantized_kv_start=args.quantized_kv_start, max_kv_size=args.max_kv_size,
         allow_partial_kv=args.allow_partial_kv, kv_skip_layers=args.kv_skip_layers,
     )  # fmt: skip

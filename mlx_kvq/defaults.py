@@ -33,3 +33,14 @@ from .config import KVConfig
 
 DEFAULT_KV_CONFIG = KVConfig(bits=4, value_bits=3, group_size=64, rotation="hadamard")
 
+
+def resolve_widths(
+    bits: int | None, key_bits: int | None, value_bits: int | None, rotation: str | None
+) -> tuple[int | None, int | None, int | None, str]:
+    """The command line's bit widths and rotation, with the default setting
+    filled in when none of the three bits flags was given (0 is passed on:
+    callers read it as "unquantized")."""
+    if bits is None and key_bits is None and value_bits is None:
+        d = DEFAULT_KV_CONFIG
+        return d.bits, d.key_bits, d.value_bits, rotation or d.rotation
+    return bits, key_bits, value_bits, rotation or "none"

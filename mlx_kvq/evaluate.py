@@ -279,18 +279,14 @@ def kv_config_from_eval_args(args: argparse.Namespace) -> KVConfig:
     """The setting to evaluate. With none of the bits flags, the default
     setting of `mlx_kvq/defaults.py` (as `mlx-kvq serve/generate` use);
     `--kv-bits 0` evaluates unquantized caches (a null check: KL 0)."""
-    from .defaults import DEFAULT_KV_CONFIG
+    from .defaults import resolve_widths
 
-    bits, key_bits, value_bits = args.kv_bits, args.kv_key_bits, args.kv_value_bits
-    rotation = args.kv_rotation
-    if bits is None and key_bits is None and value_bits is None:
-        d = DEFAULT_KV_CONFIG
-        bits, key_bits, value_bits = d.bits, d.key_bits, d.value_bits
-        rotation = rotation or d.rotation
+    bits, key_bits, value_bits, rotation = resolve_widths(
+        args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation
+    )
     return KVConfig.from_args(
         kv_bits=bits or None, kv_group_size=args.kv_group_size,
-        kv_key_bits=key_bits or None, kv_value_bits=value_bits or None,
-        kv_rotation=rotation or "none",
+        kv_key_bits=key_bits or None, kv_value_bits=value_bits or None, kv_rotation=rotation,
     )  # fmt: skip
 
 

@@ -241,6 +241,13 @@ def test_quantized_kv_start(models):
     assert not any(e["quantized"] for e in cache_report(cache))
     # Reached during the prompt: every layer converts and attends quantized after.
     cache = mlx_kvq.make_prompt_cache(model, kv_bits=4, quantized_kv_start=20)
+    counts = _generate_from_20(model, cache)
+    assert all(e["quantized"] for e in cache_report(cache))
+    assert counts["quantized"] + counts["full_precision"] > 0
+
+
+def _generate_from_20(model, cache) -> dict:
+    """Four greedy tokens with quantization starting at token 20; attention counts."""
     with attention.count_attention() as counts:
         _greedy(
             mlx_kvq.generate_step(
@@ -248,21 +255,14 @@ def test_quantized_kv_start(models):
                 max_tokens=4, prefill_step_size=PREFILL_STEP,
             )
         )  # fmt: skip
-    assert all(e["quantized"] for e in cache_report(cache))
-    assert counts["quantized"] + counts["full_precision"] > 0
+    return counts
 
 
 def test_quantized_kv_start_attends_packed_after_start(models):
     model = models["gemma3_text"]
     cache = mlx_kvq.make_prompt_cache(model, kv_bits=4, quantized_kv_start=20)
     assert all(c.hand_out == "packed" for c in cache)
-    with attention.count_attention() as counts:
-        _greedy(
-            mlx_kvq.generate_step(
-                prompt_tokens(), model, prompt_cache=cache, kv_bits=4, quantized_kv_start=20,
-                max_tokens=4, prefill_step_size=PREFILL_STEP,
-            )
-        )  # fmt: skip
+    counts = _generate_from_20(model, cache)
     # Only the two prompt chunks that start below token 20 attend in full precision.
     assert counts["full_precision"] == 2 * len(model.layers)
 

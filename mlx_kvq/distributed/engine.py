@@ -261,29 +261,17 @@ class DistributedEngine(Engine):
         ranks = GaugeMetricFamily(P + "distributed_ranks", "Ranks in the mlx.distributed group")
         ranks.add_metric([], float(self.size))
         yield ranks
-        up = GaugeMetricFamily(
-            P + "rank_up", "1 while the rank answers heartbeats", labels=["rank"]
+
+        def per_rank(name: str, text: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(P + name, text, labels=["rank"])
+
+        up = per_rank("rank_up", "1 while the rank answers heartbeats")
+        live = per_rank("rank_kv_bytes", "KV cache bytes held by live sequences on each rank")
+        bpt = per_rank("rank_kv_bytes_per_token", "Planned KV bytes per token on each rank")
+        cached = per_rank(
+            "rank_prompt_cache_bytes", "KV bytes held by the prompt cache on each rank"
         )
-        live = GaugeMetricFamily(
-            P + "rank_kv_bytes",
-            "KV cache bytes held by live sequences on each rank",
-            labels=["rank"],
-        )
-        bpt = GaugeMetricFamily(
-            P + "rank_kv_bytes_per_token",
-            "Planned KV bytes per token on each rank",
-            labels=["rank"],
-        )
-        cached = GaugeMetricFamily(
-            P + "rank_prompt_cache_bytes",
-            "KV bytes held by the prompt cache on each rank",
-            labels=["rank"],
-        )
-        warm = GaugeMetricFamily(
-            P + "rank_warmup_kv_bytes",
-            "KV bytes of the warm-up batch on each rank",
-            labels=["rank"],
-        )
+        warm = per_rank("rank_warmup_kv_bytes", "KV bytes of the warm-up batch on each rank")
         for r in range(self.size):
             label = [str(r)]
             up.add_metric(label, float(self.heartbeat.up(r) and self._group_failed is None))

@@ -49,8 +49,9 @@ def serve(args: argparse.Namespace) -> int:
     from ..caches import cache_report
     from ..cli import kv_config_from_args
     from ..config import UnsupportedKVConfig
-    from ..engine import EngineOptions, check_batch_path
+    from ..engine import check_batch_path
     from ..engine.warmup import warmup_spec
+    from ..server import main as server_main
     from ..server.main import API_KEY_ENV, _check_numbers, _fail, _resolve_model, _settings
     from .engine import DistributedEngine
     from .group import gather_json
@@ -107,16 +108,9 @@ def serve(args: argparse.Namespace) -> int:
     if rank == 0:
         log.info("KV plan for %s (this rank):\n%s\n%s", model_id, plan.table(), ranks_table(infos))
 
-    options = EngineOptions(
-        decode_concurrency=args.decode_concurrency,
-        prompt_concurrency=args.prompt_concurrency,
-        prefill_step_size=args.prefill_step_size,
-        prompt_cache_size=args.prompt_cache_size,
-        prompt_cache_bytes=args.prompt_cache_bytes,
-        max_context=plan.max_context,
-        # tests: "{rank}" in the gate path holds back one rank's warm-up
-        warmup_gate=args.warmup_gate.replace("{rank}", str(rank)) if args.warmup_gate else None,
-    )
+    # tests: "{rank}" in the gate path holds back one rank's warm-up
+    gate = args.warmup_gate.replace("{rank}", str(rank)) if args.warmup_gate else None
+    options = server_main.engine_options(args, plan.max_context, gate)
     engine = DistributedEngine(
         model, tokenizer, plan, kv_config, options, heartbeat=hb, rank_infos=infos, shard=shard,
         step_timeout=args.distributed_step_timeout,

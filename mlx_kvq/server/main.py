@@ -15,7 +15,10 @@ import logging
 import os
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlx_kvq.engine import EngineOptions
 
 log = logging.getLogger("mlx_kvq.server")
 
@@ -188,7 +191,7 @@ def serve(args: argparse.Namespace) -> int:
         return _fail(f"could not load the model from {source}: {type(e).__name__}: {e}")
 
     from mlx_kvq.caches import cache_report
-    from mlx_kvq.engine import Engine, EngineOptions, check_batch_path
+    from mlx_kvq.engine import Engine, check_batch_path
     from mlx_kvq.engine.warmup import warmup_spec
     from mlx_kvq.plan import plan_kv
 
@@ -200,15 +203,7 @@ def serve(args: argparse.Namespace) -> int:
         return _fail(f"KV setting refused for {model_id}: {e}")
     log.info("KV plan for %s:\n%s", model_id, plan.table())
 
-    options = EngineOptions(
-        decode_concurrency=args.decode_concurrency,
-        prompt_concurrency=args.prompt_concurrency,
-        prefill_step_size=args.prefill_step_size,
-        prompt_cache_size=args.prompt_cache_size,
-        prompt_cache_bytes=args.prompt_cache_bytes,
-        max_context=plan.max_context,
-        warmup_gate=args.warmup_gate,
-    )
+    options = engine_options(args, plan.max_context, args.warmup_gate)
     engine = Engine(model, tokenizer, plan, kv_config, options)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     settings = _settings(args, model_id, plan, api_key)
@@ -236,6 +231,23 @@ def _load(source: str, args: argparse.Namespace) -> tuple[Any, Any]:
     if args.chat_template:
         tokenizer_config["chat_template"] = args.chat_template
     return load(source, tokenizer_config=tokenizer_config)
+
+
+def engine_options(
+    args: argparse.Namespace, max_context: int | None, warmup_gate: str | None
+) -> EngineOptions:
+    """The engine's scheduling and prompt-cache settings from the serve flags."""
+    from mlx_kvq.engine import EngineOptions
+
+    return EngineOptions(
+        decode_concurrency=args.decode_concurrency,
+        prompt_concurrency=args.prompt_concurrency,
+        prefill_step_size=args.prefill_step_size,
+        prompt_cache_size=args.prompt_cache_size,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        max_context=max_context,
+        warmup_gate=warmup_gate,
+    )
 
 
 def _settings(args: argparse.Namespace, model_id: str, plan: Any, api_key: str | None):
