@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import pkgutil
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -327,9 +326,6 @@ def uses_our_attention(module_name: str) -> bool:
     return fn is scaled_dot_product_attention
 
 
-def model_modules() -> list[str]:
-    """Names of every architecture module shipped with mlx-lm."""
-    return [
-        m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__)
-        if not m.name.startswith("_")
-    ]  # fmt: skip
+# Importing this module redirects mlx-lm's attention: whoever can build a
+# quantized cache (the planner, the public API) imports it first.
+install()

@@ -22,20 +22,43 @@ def add_kv_args(parser: argparse.ArgumentParser, default_bits: int | None = None
     """KV flags shared by every subcommand (mlx-lm names, plus ours)."""
     g = parser.add_argument_group("KV cache")
     del default_bits  # the default setting is resolved in kv_config_from_args
-    g.add_argument("--kv-bits", type=int, default=None,
-                   help="bits for keys and values (2,3,4,5,6,8); 0 turns quantization off; "
-                   "default: mlx_kvq/defaults.py")
+    g.add_argument(
+        "--kv-bits",
+        type=int,
+        default=None,
+        help="bits for keys and values (2,3,4,5,6,8); 0 turns quantization off; "
+        "default: mlx_kvq/defaults.py",
+    )
     g.add_argument("--kv-group-size", type=int, default=64, help="quantization group size")
-    g.add_argument("--kv-key-bits", type=int, default=None, help="bits for keys (overrides --kv-bits)")
-    g.add_argument("--kv-value-bits", type=int, default=None, help="bits for values (overrides --kv-bits)")
-    g.add_argument("--kv-rotation", choices=["none", "hadamard"], default=None,
-                   help="rotate K/V with a Hadamard transform before quantizing")
-    g.add_argument("--quantized-kv-start", type=int, default=0,
-                   help="tokens held in full precision before quantization starts (mlx-lm default 5000; ours 0)")
-    g.add_argument("--max-kv-size", type=int, default=None,
-                   help="bound every full-attention layer to this many recent tokens")
-    g.add_argument("--allow-partial-kv", action="store_true",
-                   help="allow --kv-skip-layers to leave layers unquantized (reported loudly)")
+    g.add_argument(
+        "--kv-key-bits", type=int, default=None, help="bits for keys (overrides --kv-bits)"
+    )
+    g.add_argument(
+        "--kv-value-bits", type=int, default=None, help="bits for values (overrides --kv-bits)"
+    )
+    g.add_argument(
+        "--kv-rotation",
+        choices=["none", "hadamard"],
+        default=None,
+        help="rotate K/V with a Hadamard transform before quantizing",
+    )
+    g.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=0,
+        help="tokens held in full precision before quantization starts (mlx-lm default 5000; ours 0)",
+    )
+    g.add_argument(
+        "--max-kv-size",
+        type=int,
+        default=None,
+        help="bound every full-attention layer to this many recent tokens",
+    )
+    g.add_argument(
+        "--allow-partial-kv",
+        action="store_true",
+        help="allow --kv-skip-layers to leave layers unquantized (reported loudly)",
+    )
     g.add_argument("--kv-skip-layers", type=lambda s: [int(x) for x in s.split(",") if x],
                    default=None, help="comma-separated cache slots to leave unquantized")  # fmt: skip
 
@@ -90,7 +113,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print()
     print(f"estimate at {args.context} tokens x batch {args.batch}:")
     for kind, e in estimate["by_kind"].items():
-        print(f"  {kind:<8} {e['layers']:>3} slots  {_mib(e['bytes']):>10}  (fp16 {_mib(e['fp16_bytes'])})")
+        print(
+            f"  {kind:<8} {e['layers']:>3} slots  {_mib(e['bytes']):>10}  (fp16 {_mib(e['fp16_bytes'])})"
+        )
     print(
         f"  total          {_mib(estimate['bytes']):>10}  (fp16 {_mib(estimate['fp16_bytes'])}, "
         f"ratio {estimate['ratio']:.3f})"
@@ -132,7 +157,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_cache, meta = load_prompt_cache(args.prompt_cache_file, return_metadata=True)
         check_prompt_cache_settings(prompt_cache, cfg, args.prompt_cache_file)
     plan = get_plan(model, cfg) if cfg.enabled else None
-    print(plan.table() if (plan and args.verbose) else (plan.summary() if plan else "KV cache: unquantized"))
+    print(
+        plan.table()
+        if (plan and args.verbose)
+        else (plan.summary() if plan else "KV cache: unquantized")
+    )
     print("=" * 10)
 
     prompt = args.prompt.replace("\\n", "\n")
@@ -170,7 +199,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     held = sum(r["nbytes"] for r in cache_report(cache)) if cache is not None else 0
     print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
-    print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
+    print(
+        f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec"
+    )
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
     if cache is not None:
         print(f"KV bytes held: {held} ({held / 2**20:.2f} MiB)")
@@ -225,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
-    g = sub.add_parser("generate", help="generate text like mlx_lm.generate, every KV layer quantized")
+    g = sub.add_parser(
+        "generate", help="generate text like mlx_lm.generate, every KV layer quantized"
+    )
     g.add_argument("--model", default=None, help="model directory (default: embedded demo model)")
     g.add_argument("--prompt", "-p", default="And God said")
     g.add_argument("--max-tokens", "-m", type=int, default=100)
@@ -235,25 +268,48 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-chat-template", action="store_true")
     g.add_argument("--draft-model", default=None, help="draft model for speculative decoding")
     g.add_argument("--num-draft-tokens", type=int, default=3)
-    g.add_argument("--prompt-cache-file", default=None, help="prompt cache from `mlx-kvq cache-prompt`")
+    g.add_argument(
+        "--prompt-cache-file", default=None, help="prompt cache from `mlx-kvq cache-prompt`"
+    )
     g.add_argument("--verbose", action="store_true", help="print the whole plan table")
-    g.add_argument("--pipeline", action="store_true",
-                   help="under mlx.launch: pipeline parallel (layers split over ranks) instead of "
-                   "tensor parallel (heads split over ranks), as in mlx-lm")
+    g.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="under mlx.launch: pipeline parallel (layers split over ranks) instead of "
+        "tensor parallel (heads split over ranks), as in mlx-lm",
+    )
     add_kv_args(g, default_bits)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("cache-prompt", help="process a prefix once and save its quantized caches")
     c.add_argument("--model", default=None, help="model directory (default: embedded demo model)")
     c.add_argument("--prompt", "-p", required=True, help="the prefix to cache (plain text)")
-    c.add_argument("--prompt-cache-file", required=True, help="where to write the .safetensors file")
+    c.add_argument(
+        "--prompt-cache-file", required=True, help="where to write the .safetensors file"
+    )
     c.add_argument("--prefill-step-size", type=int, default=2048)
     add_kv_args(c, default_bits)
     c.set_defaults(func=cmd_cache_prompt)
 
-    _add_optional(sub, "serve", "OpenAI-compatible server", "mlx_kvq.server.main", "add_serve_args", "serve")
-    _add_optional(sub, "eval", "perplexity/KL/top-1 against unquantized", "mlx_kvq.evaluate", "add_eval_args", "run_eval")
-    _add_optional(sub, "bench", "speed and memory benchmark", "mlx_kvq.bench.cli", "add_bench_args", "run_bench")
+    _add_optional(
+        sub, "serve", "OpenAI-compatible server", "mlx_kvq.server.main", "add_serve_args", "serve"
+    )
+    _add_optional(
+        sub,
+        "eval",
+        "perplexity/KL/top-1 against unquantized",
+        "mlx_kvq.evaluate",
+        "add_eval_args",
+        "run_eval",
+    )
+    _add_optional(
+        sub,
+        "bench",
+        "speed and memory benchmark",
+        "mlx_kvq.bench.cli",
+        "add_bench_args",
+        "run_bench",
+    )
     return parser
 
 

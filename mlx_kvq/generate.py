@@ -210,7 +210,9 @@ def _cache_settings(cache: list) -> str:
     return "unquantized"
 
 
-def load_prompt_cache(file_name: str, return_metadata: bool = False, expect: KVConfig | None = None):
+def load_prompt_cache(
+    file_name: str, return_metadata: bool = False, expect: KVConfig | None = None
+):
     """mlx-lm's `load_prompt_cache` with clear errors.
 
     A file holding a cache class that cannot be resolved raises `ValueError`
@@ -221,7 +223,9 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False, expect: KVC
     if not Path(file_name).exists():
         raise FileNotFoundError(f"prompt cache file {file_name} does not exist")
     _, meta = mx.load(str(file_name), return_metadata=True)
-    classes = [v for k, v in sorted(meta.items(), key=lambda kv: _meta_order(kv[0])) if k.startswith("1.")]
+    classes = [
+        v for k, v in sorted(meta.items(), key=lambda kv: _meta_order(kv[0])) if k.startswith("1.")
+    ]
     unknown = sorted({c for c in classes if not hasattr(mlx_cache, c)})
     if unknown:
         raise ValueError(
@@ -238,7 +242,9 @@ def _meta_order(key: str):
     return [int(p) if p.isdigit() else p for p in key.split(".")]
 
 
-def check_prompt_cache_settings(cache: list, expect: KVConfig, source: str = "prompt cache") -> None:
+def check_prompt_cache_settings(
+    cache: list, expect: KVConfig, source: str = "prompt cache"
+) -> None:
     """Refuse caches stored with KV settings other than `expect`, layer by layer."""
     from .caches import KVQCache
 

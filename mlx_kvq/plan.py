@@ -82,7 +82,11 @@ class LayerPlan:
 
     @property
     def quantized(self) -> bool:
-        return self.is_kv and not self.skipped and (self.key_spec.quantized or self.value_spec.quantized)
+        return (
+            self.is_kv
+            and not self.skipped
+            and (self.key_spec.quantized or self.value_spec.quantized)
+        )
 
     def bytes_per_token(self, quantized: bool = True) -> float:
         if not self.is_kv:
@@ -129,7 +133,9 @@ class KVPlan:
     def make_cache(self) -> list:
         """Fresh caches for one sequence, exactly as planned."""
         if self._model is None:
-            raise RuntimeError("this plan was made from a config alone; load the model to make caches")
+            raise RuntimeError(
+                "this plan was made from a config alone; load the model to make caches"
+            )
         return build_caches(self._model, self)
 
     # -- facts --------------------------------------------------------------
@@ -187,7 +193,9 @@ class KVPlan:
             n = sum(p.kind == kind for p in kv)
             if n:
                 windows = sorted({p.window for p in kv if p.kind == kind and p.window})
-                parts.append(f"{n} {kind}" + (f"({','.join(map(str, windows))})" if windows else ""))
+                parts.append(
+                    f"{n} {kind}" + (f"({','.join(map(str, windows))})" if windows else "")
+                )
         state = sum(p.kind == "state" for p in self.layers)
         if state:
             parts.append(f"{state} state (not KV)")
@@ -347,7 +355,11 @@ def plan_kv(
     plans for continuous batching (windowed full layers keep no sink tokens).
     """
     cfg = kv_config or KVConfig()
-    model = model_or_config if isinstance(model_or_config, nn.Module) else model_from_config(model_or_config)
+    model = (
+        model_or_config
+        if isinstance(model_or_config, nn.Module)
+        else model_from_config(model_or_config)
+    )
     attention.install()
     model_type = _model_type(model)
     if cfg.enabled and model_type in REFUSED_MODELS:
@@ -360,7 +372,9 @@ def plan_kv(
     slots = len(proto)
     for s in cfg.skip_layers:
         if s >= slots:
-            raise UnsupportedKVConfig(f"--kv-skip-layers names slot {s}, but the model has {slots} cache slots")
+            raise UnsupportedKVConfig(
+                f"--kv-skip-layers names slot {s}, but the model has {slots} cache slots"
+            )
 
     layers: list[LayerPlan] = []
     notes: list[str] = []
@@ -379,9 +393,21 @@ def plan_kv(
         if kind.name == "sliding" and getattr(c, "keep", 0) and batch:
             notes.append(f"{where}: sink tokens (keep={c.keep}) are not kept in batched windows")
         skipped = slot in cfg.skip_layers
-        layers.append(LayerPlan(slot, kind.name, window, cfg.key_spec, cfg.value_spec, skipped=skipped, member=member))
+        layers.append(
+            LayerPlan(
+                slot,
+                kind.name,
+                window,
+                cfg.key_spec,
+                cfg.value_spec,
+                skipped=skipped,
+                member=member,
+            )
+        )
     if cfg.max_kv_size is not None and any(p.kind == "full" for p in layers):
-        notes.append(f"full-attention slots are bounded to the last {cfg.max_kv_size} tokens (--max-kv-size)")
+        notes.append(
+            f"full-attention slots are bounded to the last {cfg.max_kv_size} tokens (--max-kv-size)"
+        )
 
     # Shapes, from a lazy forward over mlx-lm's own caches.
     try:
@@ -440,7 +466,11 @@ def _has_kv_sharing(model) -> bool:
     for a in (args, getattr(args, "text_config", None)):
         if a is None:
             continue
-        n = a.get("num_kv_shared_layers", 0) if isinstance(a, dict) else getattr(a, "num_kv_shared_layers", 0)
+        n = (
+            a.get("num_kv_shared_layers", 0)
+            if isinstance(a, dict)
+            else getattr(a, "num_kv_shared_layers", 0)
+        )
         if n:
             return True
     return False
@@ -451,7 +481,11 @@ def _max_context(model) -> int | None:
     for a in (args, getattr(args, "text_config", None)):
         if a is None:
             continue
-        n = a.get("max_position_embeddings") if isinstance(a, dict) else getattr(a, "max_position_embeddings", None)
+        n = (
+            a.get("max_position_embeddings")
+            if isinstance(a, dict)
+            else getattr(a, "max_position_embeddings", None)
+        )
         if n:
             return int(n)
     return None

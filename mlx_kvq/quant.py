@@ -35,7 +35,6 @@ def scale_dtype(dtype: mx.Dtype) -> mx.Dtype:
     return mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
 
 
-
 def rotate(x: mx.array) -> mx.array:
     """Orthonormal Hadamard transform over the last axis (its own inverse)."""
     return mx.hadamard_transform(x, scale=1.0 / math.sqrt(x.shape[-1]))
@@ -59,7 +58,12 @@ class QuantizedKV:
 
     def map(self, fn: Callable[[mx.array], mx.array]) -> QuantizedKV:
         return QuantizedKV(
-            fn(self.data), fn(self.scales), fn(self.biases), self.bits, self.group_size, self.rotated
+            fn(self.data),
+            fn(self.scales),
+            fn(self.biases),
+            self.bits,
+            self.group_size,
+            self.rotated,
         )
 
     def dequantize(self, dtype: mx.Dtype = mx.float16) -> mx.array:
@@ -102,6 +106,7 @@ class Store:
 
     def zeros(self, length: int, batch: int | None = None) -> Store:
         """An all-zero store shaped like this one with `length` tokens."""
+
         def z(a: mx.array) -> mx.array:
             b = a.shape[0] if batch is None else batch
             return mx.zeros((b, a.shape[1], length, a.shape[-1]), a.dtype)

@@ -16,7 +16,9 @@ import mlx.nn as nn
 from .config import KVConfig, UnsupportedKVConfig
 
 
-def speculative_caches(model: nn.Module, draft_model: nn.Module, prompt_cache, cfg: KVConfig) -> list:
+def speculative_caches(
+    model: nn.Module, draft_model: nn.Module, prompt_cache, cfg: KVConfig
+) -> list:
     """Target caches followed by draft caches, both quantized as planned."""
     from .generate import _prepare_cache
 
@@ -27,7 +29,10 @@ def speculative_caches(model: nn.Module, draft_model: nn.Module, prompt_cache, c
         model_cache = draft_cache = None
     model_cache = _prepare_cache(model, model_cache, cfg) or _fresh(model, cfg)
     draft_cache = _prepare_cache(draft_model, draft_cache, cfg) or _fresh(draft_model, cfg)
-    for name, m, caches in (("model", model, model_cache), ("draft model", draft_model, draft_cache)):
+    for name, m, caches in (
+        ("model", model, model_cache),
+        ("draft model", draft_model, draft_cache),
+    ):
         if name == "model" and len(caches) != len(m.layers):
             raise UnsupportedKVConfig(
                 f"speculative decoding: the {name} has {len(caches)} cache slots for "

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build and run every tiny config of ``mlx_kvq.testing.archs`` with mlx-lm's own caches.
+"""Build and run every tiny config of ``kvq_testing.archs`` with mlx-lm's own caches.
 
 For each config: build the random-weight model, prefill the 40-token prompt in two
 chunks (24 + 16), decode 5 tokens (``archs.run_forward``), check the logits are
@@ -24,7 +24,7 @@ import time
 import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # kvq_testing lives with the tests
 
 import mlx.core as mx  # noqa: E402
 
@@ -33,7 +33,7 @@ END = "# END CACHE_LAYOUT"
 
 
 def survey(names, dtype, show_tb=False):
-    from mlx_kvq.testing import archs
+    from kvq_testing import archs
 
     rows = []
     for name in names:
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--traceback", action="store_true", help="print tracebacks of failures")
     ns = ap.parse_args(argv)
 
-    from mlx_kvq.testing import archs
+    from kvq_testing import archs
 
     names = ns.only or list(archs.TINY_CONFIGS)
     t0 = time.perf_counter()
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         if ns.only or bad:
             print("--write needs a full, passing sweep", file=sys.stderr)
             return 1
-        path = ROOT / "mlx_kvq" / "testing" / "archs.py"
+        path = ROOT / "tests" / "kvq_testing" / "archs.py"
         src = path.read_text()
         pat = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
         if not pat.search(src):

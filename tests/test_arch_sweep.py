@@ -4,9 +4,8 @@ layer, or is refused by the plan at load time; never a failure later."""
 from __future__ import annotations
 
 import pytest
-
-from mlx_kvq.testing import archs
-from mlx_kvq.testing.sweep import FAILED, SUPPORTED, sweep_one
+from kvq_testing import archs
+from kvq_testing.sweep import FAILED, SUPPORTED, sweep_one
 
 _results: dict[str, str] = {}
 

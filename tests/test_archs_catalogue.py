@@ -1,4 +1,4 @@
-"""The tiny architecture catalogue (mlx_kvq.testing.archs) against the installed mlx-lm.
+"""The tiny architecture catalogue (kvq_testing.archs) against the installed mlx-lm.
 
 (a) every module file of mlx_lm/models is either configured or skipped with a reason;
 (b) every configured tiny model builds and runs a chunked prefill + decode with mlx-lm's
@@ -12,8 +12,7 @@ import pathlib
 import mlx.core as mx
 import mlx_lm.models
 import pytest
-
-from mlx_kvq.testing import archs
+from kvq_testing import archs
 
 MODELS_DIR = pathlib.Path(mlx_lm.models.__file__).parent
 MODULE_FILES = sorted(p.stem for p in MODELS_DIR.glob("*.py") if p.stem != "__init__")

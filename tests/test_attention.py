@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from kvq_helpers import dequantize_f32
+from kvq_testing.helpers import dequantize_f32
 
 from mlx_kvq import attention
 from mlx_kvq.config import QuantSpec

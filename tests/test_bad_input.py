@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from kvq_helpers import tiny_model
+from kvq_testing.helpers import tiny_model
 
 import mlx_kvq
 from mlx_kvq.caches import KVQWindowCache

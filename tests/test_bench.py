@@ -169,7 +169,7 @@ def test_attention_fast_paths_match_reference(monkeypatch, split, L, mask_kind):
     path all equal mx.fast attention on the dequantized K/V."""
     import mlx.core as mx
     import numpy as np
-    from kvq_helpers import dequantize_f32
+    from kvq_testing.helpers import dequantize_f32
 
     from mlx_kvq import attention
     from mlx_kvq.config import QuantSpec

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvq_helpers import (
+from kvq_testing.helpers import (
     as_bool,
     assert_close_dequantized,
     assert_close_quantized,

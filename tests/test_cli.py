@@ -23,7 +23,9 @@ def _gemma4_config(tmp_path):
 def test_plan_gemma4_schedule_every_kv_layer_quantized(tmp_path, capsys):
     path = _gemma4_config(tmp_path)
     assert not list(path.glob("*.safetensors"))
-    assert main(["plan", "--model", str(path), "--kv-bits", "4", "--context", "32768", "--json"]) == 0
+    assert (
+        main(["plan", "--model", str(path), "--kv-bits", "4", "--context", "32768", "--json"]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     kv = [layer for layer in out["layers"] if layer["kind"] in ("full", "sliding")]
     assert len(kv) == 15 and all(layer["quantized"] for layer in kv)
@@ -58,7 +60,7 @@ def test_bad_settings_exit_2_before_weights(tmp_path, flags, message):
 
 
 def test_generate_prints_plan_and_kv_bytes(tmp_path):
-    from mlx_kvq.testing.tiny import save_tiny_model
+    from kvq_testing.tiny import save_tiny_model
 
     path = save_tiny_model(tmp_path / "m", "gemma3_text")
     proc = subprocess.run(
@@ -75,8 +77,9 @@ def test_generate_prints_plan_and_kv_bytes(tmp_path):
 
 
 def test_prompt_cache_file_with_quantized_windows(tmp_path):
+    from kvq_testing.tiny import save_tiny_model
+
     from mlx_kvq.generate import load_prompt_cache
-    from mlx_kvq.testing.tiny import save_tiny_model
 
     path = save_tiny_model(tmp_path / "m", "gemma3_text")
     cache_file = tmp_path / "prefix.safetensors"
@@ -88,7 +91,9 @@ def test_prompt_cache_file_with_quantized_windows(tmp_path):
             capture_output=True, text=True, timeout=180,
         )  # fmt: skip
 
-    made = run("cache-prompt", "--prompt", prefix, "--prompt-cache-file", str(cache_file), "--kv-bits", "4")
+    made = run(
+        "cache-prompt", "--prompt", prefix, "--prompt-cache-file", str(cache_file), "--kv-bits", "4"
+    )
     assert made.returncode == 0, made.stderr
     cache = load_prompt_cache(str(cache_file))
     kinds = {type(c).__name__ for c in cache}

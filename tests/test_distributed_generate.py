@@ -13,8 +13,7 @@ from __future__ import annotations
 import re
 
 import pytest
-
-from mlx_kvq.testing.distributed import (
+from kvq_testing.distributed import (
     FAIL_PLAN,
     cli_runs,
     launcher,
@@ -131,6 +130,10 @@ def test_a_rank_that_cannot_honour_the_plan_stops_the_group(launched):
         assert "cannot be honoured on rank 1 of 2" in mine[0] and "injected" in mine[0]
     # Each rank exits 2, unless mlx.launch, seeing the other exit first,
     # terminates it; at least one exit 2 is always seen.
-    assert re.search(r"Node with rank [01] exited with code 2", result.stderr), result.stderr[-3000:]
+    assert re.search(r"Node with rank [01] exited with code 2", result.stderr), result.stderr[
+        -3000:
+    ]
     for r in (0, 1):
-        assert re.search(rf"Node with rank {r} (exited with code (2|-15)|was killed)", result.stderr)
+        assert re.search(
+            rf"Node with rank {r} (exited with code (2|-15)|was killed)", result.stderr
+        )

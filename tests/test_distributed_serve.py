@@ -25,8 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from mlx_kvq.testing.distributed import LaunchedServer, RankGroup, launcher, tiny_model
+from kvq_testing.distributed import LaunchedServer, RankGroup, launcher, tiny_model
 
 pytestmark = [
     pytest.mark.distributed,

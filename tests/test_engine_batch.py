@@ -12,6 +12,7 @@ import time
 
 import mlx.core as mx
 import pytest
+from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
 
 from mlx_kvq.config import KVConfig
@@ -25,7 +26,6 @@ from mlx_kvq.engine import (
     TokenEvent,
 )
 from mlx_kvq.plan import plan_kv
-from mlx_kvq.testing.tiny import save_tiny_model
 
 WAIT_S = 120  # upper bound for waits, so a broken engine fails instead of hanging
 

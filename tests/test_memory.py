@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from kvq_helpers import prompt_tokens, tiny_model
+from kvq_testing.helpers import prompt_tokens, tiny_model
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlx_cache
 

@@ -12,7 +12,7 @@ import importlib
 
 import mlx.core as mx
 import pytest
-from kvq_helpers import prompt_tokens, tiny_model
+from kvq_testing.helpers import prompt_tokens, tiny_model
 from mlx_lm.models import cache as mlx_cache
 
 import mlx_kvq
@@ -271,7 +271,7 @@ def test_max_kv_size_matches_mlx_lm_rotating():
     """--max-kv-size turns full-attention layers into windows with 4 sink
     tokens (mlx-lm's RotatingKVCache(keep=4)); at 8 bits the greedy tokens
     match mlx-lm's unquantized run with the same bound."""
-    from kvq_helpers import tiny_model
+    from kvq_testing.helpers import tiny_model
 
     model = tiny_model("llama", seed=5)  # greedy path without near-ties (margin >= 0.015)
     cache = mlx_kvq.make_prompt_cache(model, kv_bits=8, max_kv_size=12)

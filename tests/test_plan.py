@@ -6,6 +6,7 @@ import json
 
 import mlx.core as mx
 import pytest
+from kvq_testing.archs import build_model
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models import gemma3_text
 
@@ -13,7 +14,6 @@ from mlx_kvq import KVConfig, UnsupportedKVConfig
 from mlx_kvq.caches import cache_report
 from mlx_kvq.generate import make_prompt_cache
 from mlx_kvq.plan import plan_kv
-from mlx_kvq.testing.archs import build_model
 
 GEMMA3 = dict(
     model_type="gemma3_text", hidden_size=128, num_hidden_layers=4, intermediate_size=128,

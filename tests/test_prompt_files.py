@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from kvq_helpers import prompt_tokens, tiny_model
+from kvq_testing.helpers import prompt_tokens, tiny_model
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from kvq_testing.server import ServerProcess
+from kvq_testing.tiny import save_tiny_model
 from mlx_lm.utils import load_tokenizer
-
-from mlx_kvq.testing.server import ServerProcess
-from mlx_kvq.testing.tiny import save_tiny_model
 
 MAX_TOKENS = 12
 

@@ -15,10 +15,9 @@ import time
 
 import httpx
 import pytest
+from kvq_testing.server import ServerProcess
+from kvq_testing.tiny import save_tiny_model
 from mlx_lm.utils import load_tokenizer
-
-from mlx_kvq.testing.server import ServerProcess
-from mlx_kvq.testing.tiny import save_tiny_model
 
 CLIENTS = 16
 MAX_TOKENS = 32

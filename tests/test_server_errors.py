@@ -11,9 +11,8 @@ import json
 import httpx
 import openai
 import pytest
-
-from mlx_kvq.testing.server import ServerProcess
-from mlx_kvq.testing.tiny import save_tiny_model
+from kvq_testing.server import ServerProcess
+from kvq_testing.tiny import save_tiny_model
 
 KEY = "sk-test-0123456789"
 MAX_BODY = 64 * 1024

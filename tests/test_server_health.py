@@ -13,9 +13,8 @@ import threading
 
 import httpx
 import pytest
-
-from mlx_kvq.testing.server import ServerProcess
-from mlx_kvq.testing.tiny import save_tiny_model
+from kvq_testing.server import ServerProcess
+from kvq_testing.tiny import save_tiny_model
 
 
 def check_quantized_warmup(body, kinds=("sliding", "full")):

@@ -12,9 +12,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from mlx_kvq.testing.server import ServerProcess
-from mlx_kvq.testing.tiny import save_tiny_model
+from kvq_testing.server import ServerProcess
+from kvq_testing.tiny import save_tiny_model
 
 REQUESTS = 300
 TURNS = 5  # turns per conversation

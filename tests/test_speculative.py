@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from kvq_testing import archs
+from kvq_testing.tiny import write_tokenizer
 
 from mlx_kvq import UnsupportedKVConfig
 from mlx_kvq.caches import cache_report
 from mlx_kvq.generate import make_prompt_cache, stream_generate
-from mlx_kvq.testing import archs
-from mlx_kvq.testing.tiny import write_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -46,4 +46,8 @@ def test_speculative_refuses_sliding_windows_before_generating(tokenizer):
     target = archs.build_model("gemma3_text")
     draft = archs.build_model("llama")
     with pytest.raises(UnsupportedKVConfig, match="sliding-window"):
-        next(stream_generate(target, tokenizer, [1, 2, 3], max_tokens=4, draft_model=draft, kv_bits=4))
+        next(
+            stream_generate(
+                target, tokenizer, [1, 2, 3], max_tokens=4, draft_model=draft, kv_bits=4
+            )
+        )

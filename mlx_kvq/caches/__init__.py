@@ -4,19 +4,16 @@ from __future__ import annotations
 
 from mlx_lm.models import cache as mlx_cache
 
-from .. import attention as _attention
 from .base import DEQUANTIZED, PACKED, KVQCache
-from .batch import KVQBatchFullCache, KVQBatchWindowCache
 from .chunked import KVQChunkedCache
-from .full import KVQFullCache
+from .full import KVQBatchFullCache, KVQFullCache
 from .registry import REGISTRY, lookup, quantize_cache, register_for_prompt_files
-from .window import KVQWindowCache
+from .window import KVQBatchWindowCache, KVQWindowCache
 
-# Our caches hand attention packed K/V that only mlx-kvq's attention reads,
-# and mlx-lm's prompt files must resolve our classes by name: both are set
-# up whenever the caches are imported (every entry point imports them), so
-# `import mlx_kvq` alone stays light.
-_attention.install()
+# mlx-lm's prompt files must resolve our classes by name: registered whenever
+# the caches are imported, so `import mlx_kvq` alone stays light. (The caches
+# hand attention packed K/V that only mlx-kvq's attention reads: importing
+# `mlx_kvq.attention`, which the planner does, installs that redirect.)
 register_for_prompt_files()
 
 __all__ = [

@@ -18,8 +18,12 @@ class KVQChunkedCache(KVQCache):
     kind = "chunked"
 
     def __init__(
-        self, chunk_size: int, key_spec: QuantSpec, value_spec: QuantSpec,
-        start: int = 0, hand_out: str = PACKED,
+        self,
+        chunk_size: int,
+        key_spec: QuantSpec,
+        value_spec: QuantSpec,
+        start: int = 0,
+        hand_out: str = PACKED,
     ):
         self._init_specs(key_spec, value_spec, start, hand_out)
         self.chunk_size = chunk_size
@@ -65,19 +69,33 @@ class KVQChunkedCache(KVQCache):
 
     @property
     def state(self):
-        return [self._store_state(), self.offset, self.chunk_size, self.start_position, self._spec_state()]
+        return [
+            self._store_state(),
+            self.offset,
+            self.chunk_size,
+            self.start_position,
+            self._spec_state(),
+        ]
 
     @state.setter
     def state(self, v):
         stores, offset, chunk, start_position, meta = v
         self._set_spec_state(meta)
         self._set_store_state(stores)
-        self.offset, self.chunk_size, self.start_position = int(offset), int(chunk), int(start_position)
+        self.offset, self.chunk_size, self.start_position = (
+            int(offset),
+            int(chunk),
+            int(start_position),
+        )
 
     @classmethod
     def from_cache(
-        cls, cache: ChunkedKVCache, key_spec: QuantSpec, value_spec: QuantSpec,
-        start: int = 0, hand_out: str = PACKED,
+        cls,
+        cache: ChunkedKVCache,
+        key_spec: QuantSpec,
+        value_spec: QuantSpec,
+        start: int = 0,
+        hand_out: str = PACKED,
     ) -> KVQChunkedCache:
         q = cls(cache.chunk_size, key_spec, value_spec, start, hand_out)
         q.start_position = cache.start_position

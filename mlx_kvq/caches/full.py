@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
 from ..config import QuantSpec
+from ..quant import dynamic_roll
 from .base import PACKED, KVQCache
+from .batch import BatchKVQCache, merge_stores
 
 
 class KVQFullCache(KVQCache):
@@ -68,18 +71,134 @@ class KVQFullCache(KVQCache):
 
     @classmethod
     def merge(cls, caches):
-        from .batch import KVQBatchFullCache
-
         return KVQBatchFullCache.merge(caches)
 
     @classmethod
     def from_cache(
-        cls, cache: KVCache, key_spec: QuantSpec, value_spec: QuantSpec, start: int = 0,
+        cls,
+        cache: KVCache,
+        key_spec: QuantSpec,
+        value_spec: QuantSpec,
+        start: int = 0,
         hand_out: str = PACKED,
     ) -> KVQFullCache:
         """The quantized twin of a filled `KVCache`, same position."""
         q = cls(key_spec, value_spec, start, hand_out)
         if cache.keys is not None and cache.offset > 0:
-            q.update_and_fetch(cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :])
+            q.update_and_fetch(
+                cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+            )
             q._maybe_convert()
         return q
+
+
+class KVQBatchFullCache(BatchKVQCache):
+    """Left-padded batch of full-attention caches."""
+
+    kind = "full"
+
+    def __init__(
+        self,
+        left_padding: list[int],
+        key_spec: QuantSpec,
+        value_spec: QuantSpec,
+        start: int = 0,
+        hand_out: str = PACKED,
+    ):
+        self._init_specs(key_spec, value_spec, start, hand_out)
+        self._init_batch(left_padding)
+        self._right_padding = None
+
+    @property
+    def _token_count(self) -> int:
+        return self._idx
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._remember_dtype(keys)
+        k, v = self._encode(keys, values)
+        prev, n = self._idx, keys.shape[2]
+        self._make_room(prev, k, v)
+        self.offset = self.offset + n
+        self._idx += n
+        self.keys[..., prev : self._idx, :] = k
+        self.values[..., prev : self._idx, :] = v
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        return self._hand_out(self.keys[..., : self._idx, :], self.values[..., : self._idx, :])
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        self._add_left_padding(left_padding)
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = mx.array(right_padding)
+
+    def finalize(self) -> None:
+        if self._right_padding is not None:
+            pad = self._right_padding
+            self.keys = self.keys.map(lambda a: dynamic_roll(a, pad[:, None], axis=2))
+            self.values = self.values.map(lambda a: dynamic_roll(a, pad[:, None], axis=2))
+            self.offset = self.offset - pad
+            self.left_padding = self.left_padding + pad
+            self._right_padding = None
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+
+    def size(self) -> int:
+        return self._idx
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, n)
+        self._idx -= n
+        self.offset = self.offset - n
+        return n
+
+    def filter(self, batch_indices) -> None:
+        self._filter_rows(batch_indices)
+        min_left = min(self.left_padding.tolist())
+        if min_left > 0:
+            if self.keys is not None:
+                self.keys = self.keys[..., min_left:, :]
+                self.values = self.values[..., min_left:, :]
+            self._idx -= min_left
+            self.left_padding = self.left_padding - min_left
+
+    def extend(self, other: KVQBatchFullCache) -> None:
+        self._extend_stores(other)
+
+    def extract(self, idx: int) -> KVQFullCache:
+        cache = KVQFullCache(self.key_spec, self.value_spec, self.start, self.hand_out)
+        cache.dtype = self.dtype
+        pad = self.left_padding.tolist()[idx]
+        cache.keys = self.keys[idx : idx + 1, :, pad : self._idx].map(mx.contiguous)
+        cache.values = self.values[idx : idx + 1, :, pad : self._idx].map(mx.contiguous)
+        cache.offset = cache.keys.length
+        return cache
+
+    @classmethod
+    def merge(cls, caches: list[KVQFullCache]) -> KVQBatchFullCache:
+        c0 = caches[0]
+        lengths = [c.size() for c in caches]
+        if max(lengths) == 0:
+            return cls([0] * len(caches), c0.key_spec, c0.value_spec, c0.start, c0.hand_out)
+        keys, values, padding = merge_stores(
+            caches, lengths, lambda c, n: (c.keys[..., :n, :], c.values[..., :n, :])
+        )
+        cache = cls(padding, c0.key_spec, c0.value_spec, c0.start, c0.hand_out)
+        cache.keys, cache.values = keys, values
+        cache.offset = cache.offset + keys.length
+        cache._idx = keys.length
+        cache.dtype = next(c.dtype for c in caches if c.dtype is not None)
+        return cache
+
+    @property
+    def state(self):
+        return self._state_common()
+
+    @state.setter
+    def state(self, v):
+        self._set_state_common(v)
+        self._right_padding = None

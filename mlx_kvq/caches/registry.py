@@ -16,10 +16,9 @@ from mlx_lm.models import cache as mlx_cache
 from ..config import QuantSpec
 from ..quant import Store
 from .base import PACKED, KVQCache
-from .batch import KVQBatchFullCache, KVQBatchWindowCache
 from .chunked import KVQChunkedCache
-from .full import KVQFullCache
-from .window import KVQWindowCache
+from .full import KVQBatchFullCache, KVQFullCache
+from .window import KVQBatchWindowCache, KVQWindowCache
 
 Converter = Callable[[object, QuantSpec, QuantSpec, int, str], KVQCache]
 
@@ -56,10 +55,17 @@ def _batch_full(c: mlx_cache.BatchKVCache, k: QuantSpec, v: QuantSpec, start: in
     return q
 
 
-def _batch_window(c: mlx_cache.BatchRotatingKVCache, k: QuantSpec, v: QuantSpec, start: int, hand_out: str):
+def _batch_window(
+    c: mlx_cache.BatchRotatingKVCache, k: QuantSpec, v: QuantSpec, start: int, hand_out: str
+):
     q = KVQBatchWindowCache(c.max_size, c.left_padding.tolist(), k, v, start, hand_out)
     q.offset, q.left_padding = _own(c.offset), _own(c.left_padding)
-    q._idx, q._offset, q.rotated, q._lengths = c._idx, c._offset, c.rotated, _own(getattr(c, "_lengths", None))
+    q._idx, q._offset, q.rotated, q._lengths = (
+        c._idx,
+        c._offset,
+        c.rotated,
+        _own(getattr(c, "_lengths", None)),
+    )
     if c.keys is not None:
         q.dtype = c.keys.dtype
         specs = (k, v) if c._offset >= start else q._storage_specs()
@@ -104,7 +110,9 @@ def lookup(cache) -> CacheKind | None:
     return REGISTRY.get(type(cache))
 
 
-def quantize_cache(cache, key_spec: QuantSpec, value_spec: QuantSpec, start: int = 0, hand_out: str = PACKED):
+def quantize_cache(
+    cache, key_spec: QuantSpec, value_spec: QuantSpec, start: int = 0, hand_out: str = PACKED
+):
     """The quantized twin of one cache slot (containers recursively).
 
     Raises `TypeError` for a type nobody declared.
@@ -114,7 +122,9 @@ def quantize_cache(cache, key_spec: QuantSpec, value_spec: QuantSpec, start: int
         return mlx_cache.CacheList(*members)
     kind = lookup(cache)
     if kind is None:
-        raise TypeError(f"cache type {type(cache).__module__}.{type(cache).__name__} is not declared")
+        raise TypeError(
+            f"cache type {type(cache).__module__}.{type(cache).__name__} is not declared"
+        )
     if kind.convert is None:
         return cache
     return kind.convert(cache, key_spec, value_spec, start, hand_out)
@@ -123,7 +133,13 @@ def quantize_cache(cache, key_spec: QuantSpec, value_spec: QuantSpec, start: int
 def register_for_prompt_files() -> None:
     """Make our classes resolvable where mlx-lm's `load_prompt_cache` looks
     them up (`globals()` of `mlx_lm.models.cache`)."""
-    for cls in (KVQFullCache, KVQWindowCache, KVQChunkedCache, KVQBatchFullCache, KVQBatchWindowCache):
+    for cls in (
+        KVQFullCache,
+        KVQWindowCache,
+        KVQChunkedCache,
+        KVQBatchFullCache,
+        KVQBatchWindowCache,
+    ):
         setattr(mlx_cache, cls.__name__, cls)
 
 

@@ -13,8 +13,9 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import RotatingKVCache
 
 from ..config import QuantSpec
-from ..quant import Store
+from ..quant import Store, dynamic_roll
 from .base import PACKED, KVQCache
+from .batch import BatchKVQCache, merge_stores
 
 
 class KVQWindowCache(KVQCache):
@@ -159,18 +160,25 @@ class KVQWindowCache(KVQCache):
         stores, offset, keep, max_size, idx, meta = v
         self._set_spec_state(meta)
         self._set_store_state(stores)
-        self.offset, self.keep, self.max_size, self._idx = int(offset), int(keep), int(max_size), int(idx)
+        self.offset, self.keep, self.max_size, self._idx = (
+            int(offset),
+            int(keep),
+            int(max_size),
+            int(idx),
+        )
 
     @classmethod
     def merge(cls, caches):
-        from .batch import KVQBatchWindowCache
-
         return KVQBatchWindowCache.merge(caches)
 
     @classmethod
     def from_cache(
-        cls, cache: RotatingKVCache, key_spec: QuantSpec, value_spec: QuantSpec,
-        start: int = 0, hand_out: str = PACKED,
+        cls,
+        cache: RotatingKVCache,
+        key_spec: QuantSpec,
+        value_spec: QuantSpec,
+        start: int = 0,
+        hand_out: str = PACKED,
     ) -> KVQWindowCache:
         """The quantized twin of a filled `RotatingKVCache`: same offset, ring
         index and sink tokens, slot for slot."""
@@ -185,3 +193,225 @@ class KVQWindowCache(KVQCache):
             q.values = Store.encode(mx.array(cache.values), vspec)
             q.offset = cache.offset
         return q
+
+
+class KVQBatchWindowCache(BatchKVQCache):
+    """Left-padded batch of sliding-window rings; bounded by `max_size` slots."""
+
+    kind = "sliding"
+
+    def __init__(
+        self,
+        max_size: int,
+        left_padding: list[int],
+        key_spec: QuantSpec,
+        value_spec: QuantSpec,
+        start: int = 0,
+        hand_out: str = PACKED,
+    ):
+        self._init_specs(key_spec, value_spec, start, hand_out)
+        self._init_batch(left_padding)
+        self.max_size = max_size
+        self.keep = 0
+        self._offset = 0
+        self.rotated = False
+        self._lengths = None
+
+    @property
+    def _token_count(self) -> int:
+        return self._offset
+
+    def _roll_rows(self, shifts: mx.array) -> None:
+        self.keys = self.keys.map(lambda a: dynamic_roll(a, shifts[:, None], axis=2))
+        self.values = self.values.map(lambda a: dynamic_roll(a, shifts[:, None], axis=2))
+
+    def _temporal_order(self) -> None:
+        if self.rotated:
+            self.keys = self.keys.map(lambda a: mx.roll(a, -self._idx, axis=2))
+            self.values = self.values.map(lambda a: mx.roll(a, -self._idx, axis=2))
+            self._idx = self.keys.length
+            self.rotated = False
+
+    def _update_concat(self, k: Store, v: Store) -> None:
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self._temporal_order()
+            if self.keys.length > self._idx:
+                self.keys = self.keys[..., : self._idx, :]
+                self.values = self.values[..., : self._idx, :]
+            if self._lengths is not None:
+                roll = mx.maximum(0, self.offset - self._lengths)
+                self._roll_rows(roll)
+                self.left_padding = self.left_padding + roll
+                self.offset = self.offset - roll
+            trim_size = self._idx - self.max_size + 1
+            if trim_size > 0:
+                self.left_padding = self.left_padding - trim_size
+                self.keys = self.keys[..., trim_size:, :]
+                self.values = self.values[..., trim_size:, :]
+            self.keys = Store.concat([self.keys, k])
+            self.values = Store.concat([self.values, v])
+        n = k.length
+        self.offset = self.offset + n
+        self._offset += n
+        self._idx = self.keys.length
+
+    def _update_in_place(self, k: Store, v: Store) -> None:
+        if self._lengths is not None:
+            raise RuntimeError(
+                "finalize() must be called before decoding with a batch window cache"
+            )
+        prev = self._offset
+        if self.keys is None or (prev >= self.keys.length and self.keys.length < self.max_size):
+            self._append_room(k, v, min(self.step, self.max_size - prev))
+            self._idx = prev
+        trim_size = self.keys.length - self.max_size
+        if trim_size > 0:
+            self.keys = self.keys[..., trim_size:, :]
+            self.values = self.values[..., trim_size:, :]
+            self._idx = self.max_size
+            self.left_padding = self.left_padding - trim_size
+        if self._idx == self.max_size:
+            self.rotated = True
+            self._idx = 0
+        if self.rotated:
+            self.left_padding = self.left_padding - 1
+        self.keys[..., self._idx : self._idx + 1, :] = k
+        self.values[..., self._idx : self._idx + 1, :] = v
+        self._offset += 1
+        self.offset = self.offset + 1
+        self._idx += 1
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._remember_dtype(keys)
+        k, v = self._encode(keys, values)
+        if keys.shape[2] == 1:
+            self._update_in_place(k, v)
+        else:
+            self._update_concat(k, v)
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        k, v = self.keys, self.values
+        if self._offset < k.length:
+            k, v = k[..., : self._offset, :], v[..., : self._offset, :]
+        return self._hand_out(k, v)
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        self._add_left_padding(left_padding)
+        if right_padding is not None and max(right_padding) > 0:
+            self._lengths = mx.array(lengths) + self.offset
+
+    def finalize(self) -> None:
+        if self._lengths is not None:
+            roll = mx.maximum(0, self.offset - self._lengths)
+            self._roll_rows(roll)
+            self.left_padding = self.left_padding + roll
+            self.offset = self.offset - roll
+            self._lengths = None
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        left_padding = self.left_padding
+        window_size = window_size or self.max_size
+        offset = min(self.max_size - 1, self._offset)
+        rinds = mx.arange(offset + N)
+        linds = mx.arange(offset, offset + N) if offset else rinds
+        linds, rinds = linds[:, None], rinds[None]
+        mask = (linds >= rinds) & (linds < rinds + window_size)
+        if (trim_size := self._idx - self.max_size + int(N > 1)) > 0:
+            left_padding = left_padding - trim_size
+        rotated = N == 1 and (self.rotated or self._idx >= self.max_size)
+        if rotated:
+            left_padding = left_padding - 1
+        mask = mask & (rinds >= mx.expand_dims(left_padding, (1, 2, 3)))
+        if rotated:
+            idx = 0 if self._idx >= self.max_size else self._idx
+            mask = mx.roll(mask, shift=idx + 1, axis=-1)
+        return mask
+
+    def size(self) -> int:
+        return min(self._offset, self.max_size)
+
+    def is_trimmable(self) -> bool:
+        return self._offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        n = min(self._offset, n)
+        self._offset -= n
+        self._idx -= n
+        self.offset = self.offset - n
+        return n
+
+    def filter(self, batch_indices) -> None:
+        self._filter_rows(batch_indices)
+
+    def extend(self, other: KVQBatchWindowCache) -> None:
+        if (
+            self.keys is not None
+            and other.keys is not None
+            and (self.rotated != other.rotated or self._idx != other._idx)
+        ):
+            self._temporal_order()
+            other._temporal_order()
+        if self._extend_stores(other):
+            self._offset = max(self._offset, other._offset)
+
+    def extract(self, idx: int) -> KVQWindowCache:
+        mx.eval(self.left_padding, self.offset)
+        cache = KVQWindowCache(
+            self.max_size, self.key_spec, self.value_spec, 0, self.start, self.hand_out
+        )
+        cache.dtype = self.dtype
+        pad = max(0, self.left_padding.tolist()[idx])
+        k, v = self.keys[idx : idx + 1], self.values[idx : idx + 1]
+        end = self._idx
+        if self.rotated:
+            k = k.map(lambda a: mx.roll(a, -self._idx, axis=2))
+            v = v.map(lambda a: mx.roll(a, -self._idx, axis=2))
+            end = self.max_size
+        cache.keys = k[:, :, pad:end].map(mx.contiguous)
+        cache.values = v[:, :, pad:end].map(mx.contiguous)
+        cache.offset = self.offset.tolist()[idx]
+        cache._idx = cache.keys.length
+        return cache
+
+    @classmethod
+    def merge(cls, caches: list[KVQWindowCache]) -> KVQBatchWindowCache:
+        c0 = caches[0]
+        if any(c.max_size != c0.max_size for c in caches):
+            raise ValueError("batch window caches can only merge caches with the same max_size")
+        if any(c.keep for c in caches):
+            raise ValueError(
+                "batched sliding-window caches do not keep sink tokens (keep > 0); "
+                "mlx-lm's batch rotating cache drops them, and mlx-kvq refuses rather than drop"
+            )
+        offsets = [c.offset for c in caches]
+        lengths = [c.size() for c in caches]
+        if max(lengths) == 0:
+            return cls(
+                c0.max_size, [0] * len(caches), c0.key_spec, c0.value_spec, c0.start, c0.hand_out
+            )
+
+        def fetch(c: KVQWindowCache, n: int):
+            return c._temporal_order(c.keys)[..., -n:, :], c._temporal_order(c.values)[..., -n:, :]
+
+        keys, values, padding = merge_stores(caches, lengths, fetch)
+        cache = cls(c0.max_size, padding, c0.key_spec, c0.value_spec, c0.start, c0.hand_out)
+        cache.keys, cache.values = keys, values
+        cache.offset = mx.array(offsets)
+        cache._idx = keys.length
+        cache._offset = keys.length
+        cache.dtype = next(c.dtype for c in caches if c.dtype is not None)
+        return cache
+
+    @property
+    def state(self):
+        return self._state_common() + [self.max_size, self._offset, self.rotated]
+
+    @state.setter
+    def state(self, v):
+        max_size, offset, rotated = self._set_state_common(v)
+        self.max_size, self._offset, self.rotated = int(max_size), int(offset), bool(rotated)
+        self.keep = 0
+        self._lengths = None

@@ -9,7 +9,7 @@ Two ways to start a group, both on the ring backend over 127.0.0.1:
   `mlx.launch` sets (MLX_RANK, MLX_HOSTFILE), as a per-host process manager
   would; a rank can then be killed and the others observed.
 
-`python -m mlx_kvq.testing.distributed ARGS :: ARGS ...` runs several
+`python -m kvq_testing.distributed ARGS :: ARGS ...` runs several
 `mlx-kvq` command lines one after the other in the same processes (one group,
 imports paid once), printing `### run I exit RC` on rank 0 after each.
 Nothing here asserts timings; waits are bounded so a broken group fails
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlx_kvq.testing.server import REPO_ROOT, ServerProcess, free_port
+from kvq_testing.server import REPO_ROOT, ServerProcess, free_port, python_path
 
 RUN_MARK = "### run"
 
@@ -59,7 +59,7 @@ def free_port_run(n: int = 2, tries: int = 200) -> int:
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = python_path(env)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.update(extra or {})
     return env
@@ -107,7 +107,7 @@ def mlx_launch(argv: list[str], n: int = 2, timeout: float = 120.0,
 
 def cli_runs(*runs: list[str]) -> list[str]:
     """The command line that runs several `mlx-kvq` invocations in one group."""
-    argv = [sys.executable, "-m", "mlx_kvq.testing.distributed"]
+    argv = [sys.executable, "-m", "kvq_testing.distributed"]
     for i, run in enumerate(runs):
         if i:
             argv.append("::")
@@ -249,7 +249,7 @@ def tiny_model(model_type: str) -> Path:
     written once per process and shared by every test that asks."""
     global _TINY_ROOT
     if model_type not in _TINY:
-        from mlx_kvq.testing.tiny import save_tiny_model
+        from kvq_testing.tiny import save_tiny_model
 
         if _TINY_ROOT is None:
             _TINY_ROOT = tempfile.TemporaryDirectory(prefix="mlx-kvq-dist-models-")

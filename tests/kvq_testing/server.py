@@ -18,9 +18,8 @@ from typing import Any
 
 import httpx
 
-import mlx_kvq
-
-REPO_ROOT = Path(mlx_kvq.__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TESTS_DIR = REPO_ROOT / "tests"
 STARTUP_TIMEOUT_S = 180.0
 
 
@@ -40,6 +39,12 @@ def parse_metrics(text: str) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
+
+
+def python_path(env: dict[str, str]) -> str:
+    """PYTHONPATH for a subprocess: the checkout and these helpers first."""
+    parts = (str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH"))
+    return os.pathsep.join(p for p in parts if p)
 
 
 class ServerProcess:
@@ -75,7 +80,7 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = python_path(env)
         env.pop("MLX_KVQ_API_KEY", None)
         if self.api_key and self.api_key_via_env:
             env["MLX_KVQ_API_KEY"] = self.api_key

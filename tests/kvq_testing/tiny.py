@@ -2,7 +2,7 @@
 
 Server and engine tests need a real model directory (config.json, weights,
 tokenizer with a chat template) but models are never downloaded here. This
-module builds one from a tiny configuration in :mod:`mlx_kvq.testing.archs`
+module builds one from a tiny configuration in :mod:`kvq_testing.archs`
 (or a bare `model_type` with overrides), with a byte-level BPE tokenizer
 trained at call time on a few KB of English text bundled below.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_kvq.testing import archs
+from kvq_testing import archs
 
 TOKENIZER_VOCAB = 384  # 256 byte symbols + special tokens + merges
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -112,7 +112,7 @@ def tiny_config(model_type: str, vocab_size: int, **overrides: Any) -> dict:
 def save_tiny_model(path: str | Path, model_type: str, **config_overrides: Any) -> Path:
     """Write a float32 random-weight model directory loadable by `mlx_lm.load`.
 
-    `model_type` is a key of `mlx_kvq.testing.archs.TINY_CONFIGS` (for example
+    `model_type` is a key of `kvq_testing.archs.TINY_CONFIGS` (for example
     "gemma4_text:kv_shared" or "gpt_oss") or any mlx-lm model type, in which
     case `config_overrides` must supply the rest of its configuration.
     Weights are seeded, so the same call writes the same model.

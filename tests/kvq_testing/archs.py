@@ -13,7 +13,7 @@ way ``mlx_lm.utils`` does it (``model_type`` + ``MODEL_REMAPPING`` +
 
 Typical use::
 
-    from mlx_kvq.testing import archs
+    from kvq_testing import archs
     model = archs.build_model("gpt_oss")               # float32, seeded, post-init applied
     cache = archs.run_forward(model)                   # 24 + 16 token prefill, 5 decode steps
     cache = archs.run_forward(model, cache=my_caches)  # same with your own caches

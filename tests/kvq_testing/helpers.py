@@ -1,7 +1,7 @@
 """Shared helpers for the mlx-kvq test-suite: error bounds, mask comparison,
 tiny random-weight models.
 
-Imported by test modules as `kvq_helpers` (pytest puts `tests/` on the path).
+Imported by test modules as `kvq_testing.helpers` (pytest puts `tests/` on the path).
 """
 
 from __future__ import annotations
