@@ -122,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
         api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
         settings = _settings(args, model_id, plan, api_key)
         settings.plan = group_plan
-        rc = _run(engine, settings, args.host, args.port, args.log_level)
+        rc = _run(engine, settings, args.host, args.port, args.log_level, args.shutdown_timeout)
         _leave(hb, rc)
     engine.start()
     while engine.alive:

@@ -38,7 +38,7 @@ from .requests import (
     TokenEvent,
     Usage,
 )
-from .sampling import SamplerPool, top_logprobs
+from .sampling import Guarded, SamplerPool, top_logprobs
 from .stops import StopMatcher
 from .warmup import (
     KV_KINDS,
@@ -51,6 +51,7 @@ from .warmup import (
 log = logging.getLogger("mlx_kvq.engine")
 
 IDLE_POLL_S = 0.1  # how long the idle engine thread waits for work per poll
+SHUTTING_DOWN = "server is shutting down"
 WARMUP_TEXT = (
     "The quick brown fox jumps over the lazy dog while the server warms up its "
     "quantized caches, one token at a time. "
@@ -78,6 +79,7 @@ class _Live:
     sink: EventSink
     detokenizer: Any
     stopper: StopMatcher
+    sampler: Guarded | None = None
     cached: int = 0
     completion_tokens: int = 0
     uid: int | None = None
@@ -148,6 +150,13 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def drain(self, reason: str = SHUTTING_DOWN) -> None:
+        """Refuse new requests (503) while those already submitted run to the end."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = reason
+        self.readiness.set_draining(reason)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -181,7 +190,7 @@ class Engine:
                 if self._live:
                     self._step()
                 self._publish()
-            self._shutdown("server is shutting down")
+            self._shutdown(SHUTTING_DOWN)
         except Exception as e:  # the engine is dead: say why, everywhere
             log.exception("engine thread failed")
             self._shutdown(f"engine failed: {type(e).__name__}: {e}")
@@ -271,26 +280,33 @@ class Engine:
         """Insert queued requests into the batch while decode slots are free."""
         while self._pending and len(self._live) < self.options.decode_concurrency:
             live = self._pending.popleft()
-            prompt = live.request.prompt
-            cache, cached = self.prompt_cache.fetch(prompt)
-            if cache is None:
-                cache, cached = self.plan.make_cache(), 0
-            live.cached = cached
-            self.metrics.record_cached_tokens(cached)
-            max_tokens = live.request.params.max_tokens
-            if self.max_context is not None:
-                max_tokens = min(max_tokens, self.max_context - len(prompt))
-            (uid,) = self._bg.insert(
-                [prompt[cached:]],
-                max_tokens=[max_tokens],
-                caches=[cache],
-                all_tokens=[prompt[:cached]],
-                samplers=[self._samplers.get(live.request.params)],
-                stop_sequences=[self._eos],
-            )
-            live.uid = uid
-            self._live[uid] = live
+            try:
+                self._insert(live)
+            except Exception as e:  # noqa: BLE001 - this request's settings, not the engine
+                self._fail(live, e)
         self._trim_prompt_cache()
+
+    def _insert(self, live: _Live) -> None:
+        prompt = live.request.prompt
+        live.sampler = self._samplers.get(live.request.params)
+        cache, cached = self.prompt_cache.fetch(prompt)
+        if cache is None:
+            cache, cached = self.plan.make_cache(), 0
+        live.cached = cached
+        self.metrics.record_cached_tokens(cached)
+        max_tokens = live.request.params.max_tokens
+        if self.max_context is not None:
+            max_tokens = min(max_tokens, self.max_context - len(prompt))
+        (uid,) = self._bg.insert(
+            [prompt[cached:]],
+            max_tokens=[max_tokens],
+            caches=[cache],
+            all_tokens=[prompt[:cached]],
+            samplers=[live.sampler],
+            stop_sequences=[self._eos],
+        )
+        live.uid = uid
+        self._live[uid] = live
 
     def _step(self) -> None:
         with self._bg.stats() as stats:
@@ -305,7 +321,12 @@ class Engine:
             live = self._live.get(r.uid)
             if live is None:
                 continue
-            if self._on_token(live, r):
+            try:
+                done = self._on_token(live, r)
+            except Exception as e:  # noqa: BLE001 - detokenizing this request failed
+                self._fail(live, e)
+                continue
+            if done:
                 if r.finish_reason is not None:
                     self._finish(r.uid, r.finish_reason, r.prompt_cache, r.all_tokens)
                 else:
@@ -313,6 +334,28 @@ class Engine:
         if stopped:  # stop strings: take them out of the batch, keep their caches
             for uid, (cache, tokens) in self._bg.remove(stopped, return_prompt_caches=True).items():
                 self._finish(uid, "stop", cache, tokens)
+        self._fail_sampling_errors()
+
+    def _fail_sampling_errors(self) -> None:
+        """Fail the requests whose sampler raised during the step (see sampling.Guarded)."""
+        failed = {id(v.sampler): v.sampler for v in self._live.values() if v.sampler.error}
+        if not failed:
+            return
+        for live in [v for v in self._live.values() if id(v.sampler) in failed]:
+            self._fail(live, live.sampler.error)
+        for sampler in failed.values():
+            sampler.take_error()
+
+    def _fail(self, live: _Live, error: Exception) -> None:
+        """End one request with an error; the batch and the engine go on."""
+        log.error(
+            "request %d failed: %s: %s", live.request.id, type(error).__name__, error,
+            exc_info=error,
+        )  # fmt: skip
+        if live.uid is not None and self._live.pop(live.uid, None) is not None:
+            self._bg.remove([live.uid])
+        live.sink(ErrorEvent(f"this request failed: {type(error).__name__}: {error}", 500))
+        self.metrics.count_request("error")
 
     def _snapshot_prompts(self, prompt_responses: list) -> None:
         """Cache each prompt as soon as it is processed (all but its last token).
@@ -408,7 +451,7 @@ class Engine:
         gate = self.options.warmup_gate
         while gate and not os.path.exists(gate):
             if self._stopping.wait(0.05):
-                self._shutdown("server is shutting down")
+                self._shutdown(SHUTTING_DOWN)
                 return False
         t0 = time.monotonic()
         spec = warmup_spec(getattr(self.plan, "max_window", None), self.kv_config, self.max_context)
@@ -429,6 +472,7 @@ class Engine:
             if caches:
                 batch_report = self.cache_report(caches)
             for r in responses:
+                self._samplers.vocab = r.logprobs.shape[-1]
                 if r.finish_reason is not None:
                     finished[r.uid] = (r.prompt_cache, len(r.all_tokens))
         longest_cache, longest = max(finished.values(), key=lambda x: x[1])

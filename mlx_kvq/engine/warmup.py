@@ -28,7 +28,7 @@ class WarmupFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class ReadinessState:
-    status: str  # "warming_up", "ready" or "failed"
+    status: str  # "warming_up", "ready", "draining" or "failed"
     reason: str | None = None
     report: dict[str, Any] | None = None
 
@@ -53,6 +53,12 @@ class Readiness:
         with self._lock:
             self._state = ReadinessState("ready", None, report)
         self.ready_event.set()
+
+    def set_draining(self, reason: str) -> None:
+        """Shutting down: requests already in flight finish, new ones are refused."""
+        with self._lock:
+            if self._state.status != "failed":
+                self._state = ReadinessState("draining", reason, self._state.report)
 
     def set_failed(self, reason: str) -> None:
         with self._lock:

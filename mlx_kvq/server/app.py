@@ -36,13 +36,13 @@ from mlx_kvq.engine import (
 from mlx_kvq.engine.prompts import chat_tokens, completion_tokens
 
 from . import schemas
+from .body import BodyError, parse_body
 from .errors import APIError, error_body, error_response, validation_message
 from .prometheus import make_registry
 
 log = logging.getLogger("mlx_kvq.server")
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
-DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks for its client
 DEFAULT_MODEL_ALIAS = "default_model"  # what clients written for mlx_lm.server send
 
 
@@ -65,6 +65,44 @@ class ServerSettings:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+RETRY_AFTER_S = 5  # what a client is told to wait while the server shuts down
+
+
+@dataclass
+class Lifecycle:
+    """Shared with the process that runs the app: whether it is draining, and
+    how many /v1 requests are still being answered (streams until their end)."""
+
+    draining: bool = False
+    in_flight: int = 0
+
+
+class _InFlight:
+    """ASGI middleware: count /v1 requests until their response ends; refuse
+    new ones with 503 and Retry-After once the server is draining."""
+
+    def __init__(self, app: Any, lifecycle: Lifecycle):
+        self.app = app
+        self.lifecycle = lifecycle
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.lifecycle.draining:
+            response = error_response(
+                503, "the server is shutting down; retry on another instance or later",
+                code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)},
+            )  # fmt: skip
+            await response(scope, receive, send)
+            return
+        self.lifecycle.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.lifecycle.in_flight -= 1
+
+
 class _Events:
     """An asyncio queue fed from the engine thread."""
 
@@ -79,14 +117,26 @@ class _Events:
             pass
 
 
+_DISCONNECTED = object()  # put on a request's queue when its client goes away
+
+
+async def _watch_disconnect(request: Request, events: _Events) -> None:
+    """Wait for the client to disconnect (its body is already read), then say so."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    events.queue.put_nowait(_DISCONNECTED)
+
+
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     """Build the app serving `engine`."""
     app = FastAPI(title="mlx-kvq", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.state.settings = settings
+    app.state.lifecycle = Lifecycle()
     kinds = set(settings.plan.get("kinds", {}) if isinstance(settings.plan, dict) else ())
     registry = make_registry(engine, kinds or set(getattr(engine.plan, "kinds", ()) or ()))
     token_text = schemas.TokenText(engine.tokenizer)
+    app.add_middleware(_InFlight, lifecycle=app.state.lifecycle)
     app.add_middleware(
         CORSMiddleware,
         allow_origins=settings.allowed_origins,
@@ -132,6 +182,12 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             return JSONResponse({"status": "warming_up"}, 503)
         if state.status == "failed":
             return JSONResponse({"status": "failed", "reason": state.reason}, 503)
+        if state.status == "draining":
+            return JSONResponse(
+                {"status": "shutting_down", "reason": state.reason},
+                503,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         return JSONResponse(
             {
                 "status": "ok",
@@ -154,7 +210,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         if scheme.lower() != "bearer" or not hmac.compare_digest(
             given.strip().encode(), settings.api_key.encode()
         ):
-            engine.metrics.count_request("rejected")
+            engine.metrics.count_request("unauthorized")
             raise APIError(
                 401,
                 "missing or invalid API key: send 'Authorization: Bearer <key>'",
@@ -182,11 +238,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                 raise reject(413, f"request body over {limit} bytes", code="request_too_large")
             body.append(chunk)
         try:
-            data = json.loads(b"".join(body))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise reject(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise reject(400, "the request body must be a JSON object")
+            data = parse_body(b"".join(body))
+        except BodyError as e:
+            raise reject(400, e.message, param=e.param) from None
         try:
             parsed = model_cls.model_validate(data)
         except ValidationError as e:
@@ -212,7 +266,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             top_p=pick(body.top_p, settings.top_p),
             top_k=pick(body.top_k, settings.top_k),
             min_p=pick(body.min_p, settings.min_p),
-            seed=body.seed,
+            seed=body.sampling_seed,
             stop=body.stop_strings,
             logprobs=logprobs,
             top_logprobs=top,
@@ -242,22 +296,23 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return events, req.id
 
     async def collect(request: Request, events: _Events, rid: int) -> tuple[list, FinishEvent]:
-        """Wait for the whole generation; cancel it if the client goes away."""
+        """Wait for the whole generation; cancel it as soon as the client goes away."""
+        watcher = asyncio.create_task(_watch_disconnect(request, events))
         tokens: list[TokenEvent] = []
-        while True:
-            try:
-                ev = await asyncio.wait_for(events.queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
+        try:
+            while True:
+                ev = await events.queue.get()
+                if ev is _DISCONNECTED:
                     engine.cancel(rid)
-                    raise APIError(499, "client disconnected") from None
-                continue
-            if isinstance(ev, TokenEvent):
-                tokens.append(ev)
-            elif isinstance(ev, FinishEvent):
-                return tokens, ev
-            else:
-                raise APIError(ev.status, ev.message, code=ev.code)
+                    raise APIError(499, "client disconnected")
+                if isinstance(ev, TokenEvent):
+                    tokens.append(ev)
+                elif isinstance(ev, FinishEvent):
+                    return tokens, ev
+                else:
+                    raise APIError(ev.status, ev.message, code=ev.code)
+        finally:
+            watcher.cancel()
 
     def sse(data: Any) -> str:
         return f"data: {json.dumps(data)}\n\n"

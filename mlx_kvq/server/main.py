@@ -14,8 +14,13 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
+import time
 from typing import TYPE_CHECKING, Any
+
+import uvicorn
 
 if TYPE_CHECKING:
     from mlx_kvq.engine import EngineOptions
@@ -25,6 +30,7 @@ log = logging.getLogger("mlx_kvq.server")
 EXIT_BAD_SETTING = 2
 API_KEY_ENV = "MLX_KVQ_API_KEY"
 DEMO_MODEL_ID = "mlx-kvq-demo"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -135,6 +141,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=8 * 1024 * 1024,
         help="largest accepted request body (default: 8MiB); larger gets 413",
     )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they "
+        f"are answered with an error (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})",
+    )
     parser.add_argument("--warmup-gate", default=None, help=argparse.SUPPRESS)
     add_kv_args(parser, DEFAULT_KV_CONFIG.bits)
     from mlx_kvq.distributed.serve import add_args as add_distributed_args
@@ -207,7 +220,7 @@ def serve(args: argparse.Namespace) -> int:
     engine = Engine(model, tokenizer, plan, kv_config, options)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     settings = _settings(args, model_id, plan, api_key)
-    return _run(engine, settings, args.host, args.port, args.log_level)
+    return _run(engine, settings, args.host, args.port, args.log_level, args.shutdown_timeout)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -220,6 +233,11 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError("--top-p must be in (0, 1]")
     if args.temp < 0:
         raise ValueError("--temp must be >= 0")
+    if args.shutdown_timeout < 0:
+        raise ValueError("--shutdown-timeout must be >= 0")
+    from .schemas import check_template_kwargs
+
+    check_template_kwargs(args.chat_template_args, "--chat-template-args")
 
 
 def _load(source: str, args: argparse.Namespace) -> tuple[Any, Any]:
@@ -269,9 +287,8 @@ def _settings(args: argparse.Namespace, model_id: str, plan: Any, api_key: str |
     )
 
 
-def _run(engine: Any, settings: Any, host: str, port: int, log_level: str) -> int:
-    import uvicorn
-
+def _run(engine: Any, settings: Any, host: str, port: int, log_level: str,
+         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> int:  # fmt: skip
     from .app import create_app
 
     app = create_app(engine, settings)
@@ -280,9 +297,46 @@ def _run(engine: Any, settings: Any, host: str, port: int, log_level: str) -> in
         app, host=host, port=port, log_level=log_level.lower(), access_log=False,
         timeout_graceful_shutdown=5,
     )  # fmt: skip
-    server = uvicorn.Server(config)
+    server = _DrainingServer(config, engine, app.state.lifecycle, shutdown_timeout)
     try:
         server.run()
     finally:
         engine.stop()
     return 0 if server.started else 1
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, stopping gracefully on SIGTERM/SIGINT.
+
+    The first signal drains: new requests get 503 with Retry-After, requests in
+    flight run to their end for up to `shutdown_timeout` seconds, whatever is
+    left is answered with an error, then uvicorn closes its connections and
+    the process exits 0 (uvicorn's own handler would re-raise the signal). A
+    second SIGINT stops at once.
+    """
+
+    def __init__(
+        self, config: uvicorn.Config, engine: Any, lifecycle: Any, shutdown_timeout: float
+    ):
+        super().__init__(config)
+        self.engine = engine
+        self.lifecycle = lifecycle
+        self.shutdown_timeout = shutdown_timeout
+        self.drainer: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.drainer is None:
+            log.info("signal %d: draining (up to %gs)", sig, self.shutdown_timeout)
+            self.drainer = threading.Thread(target=self.drain, name="mlx-kvq-drain", daemon=True)
+            self.drainer.start()
+        elif sig == signal.SIGINT:
+            self.force_exit = True
+
+    def drain(self) -> None:
+        self.lifecycle.draining = True
+        self.engine.drain()
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.lifecycle.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.engine.stop()  # whatever is left is answered with an error
+        self.should_exit = True

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from mlx_kvq.engine import Engine
 
 P = "mlx_kvq_"
-REQUEST_STATUSES = ("ok", "cancelled", "error", "rejected")
+REQUEST_STATUSES = ("ok", "cancelled", "error", "rejected", "unauthorized")
 
 
 class EngineCollector(Collector):
