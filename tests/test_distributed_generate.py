@@ -50,7 +50,7 @@ def single_process(model, capsys) -> tuple[str, list[int]]:
     from mlx_lm import load
 
     from mlx_kvq.caches import cache_report
-    from mlx_kvq.cli import main
+    from mlx_kvq.commands import main
     from mlx_kvq.config import KVConfig
     from mlx_kvq.generate import stream_generate
     from mlx_kvq.plan import plan_kv
@@ -123,9 +123,9 @@ def test_a_rank_that_cannot_honour_the_plan_stops_the_group(launched):
     runs, result = launched
     rc, out = runs[3]
     assert rc == 2  # rank 0 exits non-zero too, naming rank 1
-    errors = [line for line in result.stderr.split("\n") if "mlx-kvq: error:" in line]
+    errors = [line for line in result.stderr.split("\n") if "mlx-kvq generate: error:" in line]
     for r in (0, 1):  # every rank stops with the failing rank's number and message
-        mine = [line for line in errors if f"mlx-kvq: error: rank {r}: " in line]
+        mine = [line for line in errors if f"mlx-kvq generate: error: rank {r}: " in line]
         assert len(mine) == 1, result.stderr[-3000:]
         assert "cannot be honoured on rank 1 of 2" in mine[0] and "injected" in mine[0]
     # Each rank exits 2, unless mlx.launch, seeing the other exit first,

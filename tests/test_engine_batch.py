@@ -259,7 +259,8 @@ class ExplodingModel:
 def test_engine_failure_is_reported_by_health(loaded):
     from fastapi.testclient import TestClient
 
-    from mlx_kvq.server.app import ServerSettings, create_app
+    from mlx_kvq.server.app import create_app
+    from mlx_kvq.server.settings import ServerSettings
 
     model, tokenizer, plan, kv = loaded
     boom = ExplodingModel(model)

@@ -8,7 +8,7 @@ Pipeline parallel (`--pipeline`): rank `r` holds a contiguous run of layers
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -36,14 +36,6 @@ class Shard:
     def layers(self) -> str:
         last = self.first_layer + self.num_layers - 1
         return str(self.first_layer) if last == self.first_layer else f"{self.first_layer}-{last}"
-
-    def describe(self) -> str:
-        if self.mode == PIPELINE:
-            return f"rank {self.rank}/{self.size}: layers {self.layers} of {self.total_layers}"
-        return f"rank {self.rank}/{self.size}: 1/{self.size} of the heads of all {self.total_layers} layers"
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "layers": self.layers}
 
 
 def load_sharded(

@@ -48,7 +48,7 @@ def python_path(env: dict[str, str]) -> str:
 
 
 class ServerProcess:
-    """`python -m mlx_kvq.cli serve --model DIR ...` on 127.0.0.1:<free port>."""
+    """`python -m mlx_kvq serve --model DIR ...` on 127.0.0.1:<free port>."""
 
     def __init__(
         self,
@@ -70,7 +70,7 @@ class ServerProcess:
 
     # -- lifecycle -------------------------------------------------------------
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "mlx_kvq.cli", "serve"]
+        cmd = [sys.executable, "-m", "mlx_kvq", "serve"]
         if self.model is not None:
             cmd += ["--model", str(self.model)]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
