@@ -39,6 +39,7 @@ from . import schemas
 from .body import BodyError, parse_body
 from .errors import APIError, error_body, error_response, validation_message
 from .prometheus import make_registry
+from .web import web_router
 
 log = logging.getLogger("mlx_kvq.server")
 
@@ -450,6 +451,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return stream_response(gen())
 
     app.include_router(v1)
+    app.include_router(web_router(engine, settings))
     return app
 
 
