@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -156,8 +157,9 @@ def open_page(driver, server, key: str | None = None) -> None:
 
 
 def panel_requests(driver) -> dict[str, int]:
-    words = text(driver, "stat-requests")  # "3 ok, 1 cancelled, 0 failed, 0 refused"
-    return {k: int(n) for n, k in re.findall(r"(\d+) (\w+)", words)}
+    """The panel's request counters ("3 ok, 1 cancelled, 2 unauthorized"; zeros left out)."""
+    words = text(driver, "stat-requests")
+    return Counter({k: int(n) for n, k in re.findall(r"(\d+) (\w+)", words)})
 
 
 def panel_prompt_cache_entries(driver) -> int:
@@ -262,7 +264,7 @@ def test_status_is_open_and_describes_plan_and_engine(server):
     assert plan["quantized_layers"] == 4
     assert body["kv"] == {"bytes": 0, "by_kind": {"full": 0, "sliding": 0}, "layers": 4,
                           "layers_quantized": 4}  # fmt: skip
-    assert set(body["requests"]) == {"ok", "cancelled", "error", "rejected"}
+    assert set(body["requests"]) == {"ok", "cancelled", "error", "rejected", "unauthorized"}
 
     # A request moves the counters; its text never appears in /status.
     marker = "zebra-417-marker"
@@ -356,7 +358,7 @@ def test_chat_asks_for_the_key_streams_and_shows_model_html_as_text(server, brow
     # The KV panel's numbers move with the request.
     wait(browser, lambda d: panel_requests(d)["ok"] == before_requests["ok"] + 1, "ok + 1")
     assert panel_prompt_cache_entries(browser) > before_entries
-    assert panel_requests(browser)["refused"] == before_requests["refused"] + 1  # the 401
+    assert panel_requests(browser)["unauthorized"] == before_requests["unauthorized"] + 1
 
     # Kept in this browser only: reloading shows the same conversation.
     assert browser.execute_script("return localStorage.getItem('mlx-kvq.api-key')") == API_KEY
@@ -371,6 +373,43 @@ def test_chat_asks_for_the_key_streams_and_shows_model_html_as_text(server, brow
     assert replies(browser) == []
     stored = browser.execute_script("return localStorage.getItem('mlx-kvq.chat')")
     assert json.loads(stored) == {"messages": []}
+
+
+ATTACKS = ["[x](javascript:alert(1))", "![x](javascript:alert(1))", "[x](JaVaScRiPt:alert(1))",
+           "[x](&#106;avascript:alert(1))", "[x](data:text/html,<script>alert(1)</script>)",
+           "<a href=javascript:alert(1)>a</a>", "<svg onload=alert(1)>", "<javascript:alert(1)>",
+           "<iframe src=x>", "<details open ontoggle=alert(1)>", "<style>body{display:none}</style>",
+           "<scr<script>ipt>alert(1)</script>", "![tracker](https://example.com/t.png)",
+           "| <b>x</b> | y |\n|---|---|\n| <img src=x onerror=alert(1)> | z |",
+           "- [x] <input type=text autofocus onfocus=alert(1)>"]  # fmt: skip
+MARKUP_TAGS = {"a", "p", "br", "hr", "strong", "em", "del", "code", "pre", "blockquote", "ul",
+               "ol", "li", "h1", "h2", "h3", "h4", "h5", "h6", "table", "thead", "tbody", "tr",
+               "th", "td"}  # fmt: skip
+
+
+def test_markdown_from_the_model_cannot_become_markup(server, browser):
+    from html.parser import HTMLParser
+
+    open_page(browser, server)
+    rendered = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "import('/static/markdown.js').then((m) => done(arguments[0].map(m.renderMarkdown)));",
+        ATTACKS,
+    )
+    found: list[tuple[str, list]] = []
+
+    class Tags(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            found.append((tag, attrs))
+
+    for html in rendered:
+        Tags().feed(html)
+    assert {tag for tag, _ in found} <= MARKUP_TAGS
+    attributes = [(name, value) for _, attrs in found for name, value in attrs]
+    assert {name for name, _ in attributes} <= {"href", "target", "rel", "class", "align"}
+    assert [v for n, v in attributes if n == "href"] == ["https://example.com/t.png"]
+    assert "&lt;img src=x onerror=alert(1)&gt;" in rendered[-2]  # shown, as text
+    assert console_errors(browser) == []
 
 
 SHOWN_TEXT = "return document.querySelector('#messages li.assistant .content').textContent"

@@ -11,6 +11,7 @@ never prompt or completion text.
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 from importlib import resources
 from typing import Any
 
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from mlx_kvq.engine import Engine, MetricsSnapshot
 
 from .errors import error_response
+from .prometheus import REQUEST_STATUSES
 
 STATIC_PACKAGE = "mlx_kvq.server"
 STATIC_DIR = "static"
@@ -29,7 +31,6 @@ FAVICON = "favicon.svg"
 # What the page needs; a package without one of them refuses to start.
 REQUIRED_FILES = (PAGE, FAVICON, "style.css", "app.js", "chat.js", "panel.js", "markdown.js",
                   "vendor/marked.esm.js", "vendor/purify.es.mjs")  # fmt: skip
-REQUEST_STATUSES = ("ok", "cancelled", "error", "rejected")
 NOT_KV_KINDS = ("shared", "unused")  # plan kinds that hold no bytes of their own
 
 _MEDIA_TYPES = {
@@ -92,11 +93,17 @@ def load_assets() -> dict[str, tuple[bytes, str]]:
 
 
 def readiness(engine: Engine) -> tuple[str, str | None]:
-    """("warming_up" | "ready" | "failed", reason): what `/health` answers."""
+    """(state, reason) in `/health`'s words, with "ready" for its "ok".
+
+    The state is "warming_up", "ready", "shutting_down" or "failed".
+    """
     state = engine.readiness.get()
-    if state.status == "ready" and not engine.alive:
+    status = state.status.value if isinstance(state.status, Enum) else state.status
+    if status == "ready" and not engine.alive:
         return "failed", "engine thread exited"
-    return state.status, state.reason
+    if status == "draining":
+        return "shutting_down", state.reason
+    return status, state.reason
 
 
 def plan_slots(plan: dict[str, Any]) -> list[dict[str, Any]]:
@@ -198,7 +205,8 @@ def status_body(
         "tokens_per_second": {"prompt": s.prompt_tps, "generation": s.generation_tps},
         "tokens": {"prompt": s.prompt_tokens, "generation": s.generation_tokens},
         "requests": {
-            k: s.requests.get(k, 0) for k in sorted(set(REQUEST_STATUSES) | set(s.requests))
+            k: s.requests.get(k, 0)
+            for k in (*REQUEST_STATUSES, *sorted(set(s.requests) - set(REQUEST_STATUSES)))
         },
         "memory": {"active": mx.get_active_memory(), "peak": mx.get_peak_memory()},
         "blas": blas() if blas is not None else None,

@@ -111,13 +111,15 @@ export class Chat {
     else if (status.status === "warming_up") {
       text = "Warming up: the server is running every cache kind once in quantized form. " +
         "A message sent now is answered when it is ready.";
+    } else if (status.status === "shutting_down") {
+      text = `The server is shutting down (${status.reason || "no reason given"}).`;
     } else if (status.status === "failed") {
       text = `The engine failed: ${status.reason || "no reason given"}. Restart the server.`;
     }
     notice.textContent = text;
     notice.hidden = !text;
     notice.dataset.state = status ? status.status : "unreachable";
-    $("send").disabled = Boolean(status && status.status === "failed");
+    $("send").disabled = Boolean(status && ["failed", "shutting_down"].includes(status.status));
   }
 
   showSettings() {

@@ -1,8 +1,9 @@
 // Markdown from the model, rendered so that model output can never become
-// markup: raw HTML is shown as text, images become links, links keep only
-// http(s) and mailto targets, and DOMPurify removes anything outside an
-// allow-list before the result reaches the page (the page's Content Security
-// Policy forbids inline scripts on top of that).
+// markup: raw HTML is shown as text, images become links (nothing is fetched),
+// links keep only http(s) and mailto targets, task-list boxes are characters,
+// and DOMPurify removes anything outside an allow-list before the result
+// reaches the page (the page's Content Security Policy forbids inline scripts
+// on top of that).
 import { Marked } from "./vendor/marked.esm.js";
 import DOMPurify from "./vendor/purify.es.mjs";
 
@@ -29,6 +30,9 @@ const marked = new Marked({
       const label = escapeHtml(text || href);
       return SAFE_URL.test(href) ? anchor(href, label) : label;
     },
+    checkbox({ checked }) {
+      return checked ? "\u2611 " : "\u2610 ";
+    },
     link({ href, tokens }) {
       const inner = this.parser.parseInline(tokens);
       return SAFE_URL.test(href) ? anchor(href, inner) : inner;
@@ -40,9 +44,9 @@ const PURIFY = {
   ALLOWED_TAGS: [
     "a", "p", "br", "hr", "strong", "em", "del", "code", "pre", "blockquote",
     "ul", "ol", "li", "h1", "h2", "h3", "h4", "h5", "h6",
-    "table", "thead", "tbody", "tr", "th", "td", "input",
+    "table", "thead", "tbody", "tr", "th", "td",
   ],
-  ALLOWED_ATTR: ["href", "title", "class", "start", "align", "type", "checked", "disabled"],
+  ALLOWED_ATTR: ["href", "title", "class", "start", "align"],
   ALLOWED_URI_REGEXP: SAFE_URL,
 };
 
@@ -50,9 +54,6 @@ DOMPurify.addHook("afterSanitizeAttributes", (node) => {
   if (node.tagName === "A") {
     node.setAttribute("target", "_blank");
     node.setAttribute("rel", "noopener noreferrer");
-  }
-  if (node.tagName === "INPUT" && node.getAttribute("type") !== "checkbox") {
-    node.remove();
   }
 });
 

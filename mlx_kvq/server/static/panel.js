@@ -144,9 +144,10 @@ function renderEngine(s) {
   $("stat-prompt-tps").textContent = `${(tps.prompt || 0).toFixed(1)} tok/s`;
   $("stat-queue-depth").textContent = String(s.queue_depth);
   $("stat-batch-size").textContent = `${s.batch_size} (max ${s.max_batch_size})`;
-  const r = s.requests || {};
-  $("stat-requests").textContent =
-    `${r.ok || 0} ok, ${r.cancelled || 0} cancelled, ${r.error || 0} failed, ${r.rejected || 0} refused`;
+  $("stat-requests").textContent = Object.entries(s.requests || {})
+    .filter(([name, n]) => n || name === "ok" || name === "cancelled")
+    .map(([name, n]) => `${n} ${REQUEST_WORDS[name] || name}`)
+    .join(", ");
   const pc = s.prompt_cache || {};
   $("stat-prompt-cache").textContent =
     `${pc.entries}/${pc.max_entries} entries, ${formatBytes(pc.bytes)}` +
@@ -162,9 +163,11 @@ function renderEngine(s) {
 const STATE_WORDS = {
   warming_up: "warming up",
   ready: "ready",
+  shutting_down: "shutting down",
   failed: "failed",
   unreachable: "server unreachable",
 };
+const REQUEST_WORDS = { error: "failed", rejected: "refused" };
 
 function renderState(state, reason) {
   const badge = $("state");
