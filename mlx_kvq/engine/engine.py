@@ -62,7 +62,14 @@ from .requests import (
 )
 from .sampling import Guarded, SamplerPool, top_logprobs
 from .stops import StopMatcher
-from .warmup import Readiness, WarmupFailed, verify_warmup, warmup_spec
+from .warmup import (
+    Readiness,
+    ReadinessState,
+    Status,
+    WarmupFailed,
+    verify_warmup,
+    warmup_spec,
+)
 
 log = logging.getLogger("mlx_kvq.engine")
 
@@ -192,6 +199,13 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def state(self) -> ReadinessState:
+        """Readiness as the probes report it: ready only while the engine thread runs."""
+        state = self.readiness.get()
+        if state.status is Status.READY and not self.alive:
+            return ReadinessState(Status.FAILED, "engine thread exited", state.report)
+        return state
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> None:
         """Queue a request; its events arrive through `sink` (on the engine thread)."""

@@ -1,7 +1,7 @@
 """The FastAPI app: the routers of this package over one engine.
 
 HTTP only. `openai.py` answers OpenAI's endpoints, `probes.py` the probes and
-metrics; errors leave in OpenAI's body shape (`errors.py`); `lifecycle.py`
+metrics, `web.py` the page at `/` and `/status`; errors leave in OpenAI's body shape (`errors.py`); `lifecycle.py`
 refuses new requests while the process drains. Starting, stopping and
 signals belong to the process that runs the app (`mlx_kvq.commands`).
 """
@@ -24,6 +24,7 @@ from .lifecycle import InFlightMiddleware, Lifecycle
 from .openai import openai_router
 from .probes import probes_router
 from .settings import ServerSettings
+from .web import web_router
 
 log = logging.getLogger("mlx_kvq.server")
 
@@ -64,6 +65,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return error_response(500, f"internal error: {type(e).__name__}")
 
     app.include_router(probes_router(engine, settings))
+    app.include_router(web_router(engine, settings))
     app.include_router(
         openai_router(engine, settings, api_key_check(settings.api_key, engine.metrics))
     )

@@ -30,9 +30,7 @@ def probes_router(engine: Engine, settings: ServerSettings) -> APIRouter:
 
     @router.get("/health")
     async def health() -> JSONResponse:
-        state = engine.readiness.get()
-        if state.status is Status.READY and not engine.alive:
-            return JSONResponse({"status": "failed", "reason": "engine thread exited"}, 503)
+        state = engine.state()
         if state.status is Status.WARMING_UP:
             return JSONResponse({"status": state.status.value}, 503)
         if state.status is Status.DRAINING:
