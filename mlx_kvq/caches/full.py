@@ -157,14 +157,17 @@ class KVQBatchFullCache(BatchKVQCache):
         return n
 
     def filter(self, batch_indices) -> None:
-        self._filter_rows(batch_indices)
-        min_left = min(self.left_padding.tolist())
+        # Cut the padding no kept row needs before taking the rows: the row
+        # gather then copies only what is kept (a slice taken after it would be
+        # a view that keeps the whole gathered buffer alive, unseen by nbytes).
+        min_left = min(self.left_padding[mx.array(batch_indices)].tolist())
         if min_left > 0:
             if self.keys is not None:
                 self.keys = self.keys[..., min_left:, :]
                 self.values = self.values[..., min_left:, :]
             self._idx -= min_left
             self.left_padding = self.left_padding - min_left
+        self._filter_rows(batch_indices)
 
     def extend(self, other: KVQBatchFullCache) -> None:
         self._extend_stores(other)

@@ -1,5 +1,7 @@
 """Serving core without HTTP: continuous batching over quantized KV caches."""
 
+from .budget import Capacity, Ledger, Shape
+from .budget import Share as BudgetShare
 from .coordinator import (
     Coordinator,
     LocalCoordinator,
@@ -10,7 +12,7 @@ from .coordinator import (
     WarmupVerdict,
 )
 from .engine import SHUTTING_DOWN, Engine, EngineOptions
-from .metrics import EngineMetrics, MetricsSnapshot
+from .metrics import BudgetFigures, EngineMetrics, MetricsSnapshot
 from .prompt_cache import PromptCache
 from .requests import (
     ErrorEvent,
@@ -19,6 +21,7 @@ from .requests import (
     FinishReason,
     GenerationRequest,
     Outcome,
+    Rejection,
     SamplingParams,
     TokenEvent,
     Usage,
@@ -27,6 +30,9 @@ from .warmup import Readiness, ReadinessState, Status, WarmupFailed, check_batch
 
 __all__ = [
     "SHUTTING_DOWN",
+    "BudgetFigures",
+    "BudgetShare",
+    "Capacity",
     "Coordinator",
     "Engine",
     "EngineMetrics",
@@ -36,15 +42,18 @@ __all__ = [
     "FinishEvent",
     "FinishReason",
     "GenerationRequest",
+    "Ledger",
     "LocalCoordinator",
     "MetricsSnapshot",
     "Outcome",
     "PromptCache",
     "RankStatus",
     "RankView",
+    "Rejection",
     "Readiness",
     "ReadinessState",
     "SamplingParams",
+    "Shape",
     "Status",
     "StepCommands",
     "StopNotice",

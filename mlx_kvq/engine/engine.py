@@ -10,6 +10,11 @@ sliding-window alike), steps the batch and pushes events back through each
 request's sink. Finished sequences leave their caches in the prompt cache;
 cancelled ones leave the batch at the next step, which frees their memory.
 
+With a KV memory budget (`EngineOptions.kv_cache_memory`), requests are
+admitted in order when their sequence's worst case fits what the budget has
+left, the prompt cache yielding first (`budget.Ledger`); the bytes the caches
+really hold are measured after every step against the budget.
+
 Whatever one request carries (its sampler, its text) can only fail that
 request: the batch and the engine go on (see `sampling.Guarded`).
 """
@@ -35,6 +40,7 @@ from mlx_kvq.config import KVConfig
 from mlx_kvq.mlx_lm_internals import batch_caches
 from mlx_kvq.plan import KV_KINDS, KVPlan
 
+from .budget import Capacity, Ledger, Shape, capacity_tokens, format_bytes, share_for
 from .coordinator import (
     Coordinator,
     LocalCoordinator,
@@ -43,7 +49,7 @@ from .coordinator import (
     StopNotice,
     WarmupVerdict,
 )
-from .metrics import EngineMetrics
+from .metrics import BudgetFigures, EngineMetrics
 from .prompt_cache import PromptCache
 from .requests import (
     Cancel,
@@ -55,6 +61,7 @@ from .requests import (
     GenerationRequest,
     Message,
     Outcome,
+    Rejection,
     Stop,
     Submit,
     TokenEvent,
@@ -75,6 +82,7 @@ log = logging.getLogger("mlx_kvq.engine")
 
 IDLE_POLL_S = 0.1  # how long the idle engine thread waits for work per poll
 SHUTTING_DOWN = "server is shutting down"
+QUEUE_RETRY_AFTER_S = 2  # what a client refused for a full queue is told to wait
 WARMUP_TEXT = (
     "The quick brown fox jumps over the lazy dog while the server warms up its "
     "quantized caches, one token at a time. "
@@ -91,6 +99,8 @@ class EngineOptions:
     prompt_cache_size: int = 10
     prompt_cache_bytes: int | None = None
     max_context: int | None = None
+    kv_cache_memory: int | None = None  # KV memory budget in bytes (None: admit by count only)
+    max_queued_requests: int | None = None  # waiting requests before a 429 (None: no limit)
     warmup_gate: str | None = None  # warm-up waits until this file exists (tests)
 
 
@@ -156,6 +166,18 @@ class Engine:
         self._sinks: dict[int, EventSink] = {}  # submitted requests not yet accepted
         self._pending: deque[_Live] = deque()
         self._live: dict[int, _Live] = {}  # by BatchGenerator uid
+        self._queued: set[int] = set()  # ids submitted here and not yet admitted or ended
+        self._prompting: set[int] = set()  # uids whose prompt is still being processed
+        self.budget: Ledger | None = None
+        self.capacity: Capacity | None = None
+        if self.options.kv_cache_memory is not None:
+            share = share_for(
+                plan, self.options.kv_cache_memory,
+                prefill_step=self.options.prefill_step_size,
+                prompt_rows=self.options.prompt_concurrency,
+            )  # fmt: skip
+            self.budget = Ledger([share])
+            self.capacity = self.budget.capacity(capacity_tokens(self.max_context))
         self._samplers = SamplerPool()
         self._eos = StopSequences([(t,) for t in tokenizer.eos_token_ids])
         self._kv_fraction = (0, 0)  # (quantized KV slots, KV slots) last seen
@@ -208,13 +230,66 @@ class Engine:
         return state
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> None:
-        """Queue a request; its events arrive through `sink` (on the engine thread)."""
+        """Queue a request; its events arrive through `sink` (on the engine thread).
+
+        A request whose sequence cannot fit the KV budget even alone (400) and
+        one that finds the queue full (429) are refused at once, here.
+        """
         with self._lock:
-            if self._closed is None:
-                self._inbox.put(Submit(request, sink))
-                return
-            reason = self._closed
-        sink(ErrorEvent(reason, 503, "engine_unavailable"))
+            if self._closed is not None:
+                refusal = ErrorEvent(self._closed, 503, "engine_unavailable")
+            else:
+                refusal = self._refusal(request)
+                if refusal is None:
+                    self._queued.add(request.id)
+                    self._inbox.put(Submit(request, sink))
+                    self.metrics.set_queue_depth(len(self._queued))
+                    return
+        sink(refusal)
+
+    def _refusal(self, request: GenerationRequest) -> ErrorEvent | None:
+        """A 400 for a request that can never fit the budget, a 429 when the queue is full."""
+        refusal = self._too_large(request)
+        if refusal is not None:
+            return refusal
+        limit = self.options.max_queued_requests
+        if limit is not None and len(self._queued) >= limit:
+            self.metrics.count_rejection(Rejection.QUEUE_FULL)
+            return ErrorEvent(
+                f"the server's queue is full ({limit} requests waiting, --max-queued-requests); "
+                "retry later", 429, "queue_full", retry_after=QUEUE_RETRY_AFTER_S,
+            )  # fmt: skip
+        return None
+
+    def _shape(self, request: GenerationRequest) -> Shape:
+        """What `request`'s sequence can hold: its prompt and prompt + max_tokens."""
+        n = len(request.prompt)
+        max_tokens = request.params.max_tokens
+        if self.max_context is not None:
+            max_tokens = min(max_tokens, max(1, self.max_context - n))
+        return Shape(n, n + max_tokens)
+
+    def _too_large(self, request: GenerationRequest) -> ErrorEvent | None:
+        """The 400 for a request whose sequence needs more than the whole budget."""
+        if self.budget is None or not request.prompt:
+            return None
+        shape = self._shape(request)
+        verdict = self.budget.verdict(shape)
+        if verdict.fits_alone:
+            return None
+        self.metrics.count_rejection(Rejection.KV_BUDGET)
+        fix = (
+            f"lower max_tokens to {verdict.max_tokens_fit} or less"
+            if verdict.max_tokens_fit
+            else "shorten the prompt"
+        )
+        return ErrorEvent(
+            f"this request needs up to {format_bytes(verdict.needs)} of KV cache "
+            f"({shape.prompt} prompt tokens + {shape.total - shape.prompt} max_tokens at "
+            f"{self.budget.share.cost.setting}), more than the server's KV budget of "
+            f"{format_bytes(verdict.budget)} (--kv-cache-memory) holds even alone; {fix}",
+            400, "kv_budget_exceeded",
+        )  # fmt: skip
 
     def cancel(self, request_id: int) -> None:
         """Drop a request (client gone); a no-op once it has finished."""
@@ -231,6 +306,7 @@ class Engine:
             )
             if not self._wait_for_gate():
                 return
+            self._agree_budget()
             verdict = self.coordinator.agree_warmup(self._warmup())
             if not verdict.ok:
                 self._shutdown(verdict.error or "warm-up failed")
@@ -268,6 +344,10 @@ class Engine:
             self._closed = reason
             ended = list(self._live.values()) + list(self._pending)
             self._live, self._pending = {}, deque()
+            self._queued.clear()
+            self._prompting.clear()
+            if self.budget is not None:
+                self.budget.clear()
             sinks, self._sinks = list(self._sinks.values()), {}
             while True:
                 try:
@@ -313,6 +393,7 @@ class Engine:
             elif isinstance(m, Cancel):
                 cancels.add(m.request_id)
             elif stop:  # queued behind the stop: refused, like any later request
+                self._dequeue(m.request.id)
                 m.sink(ErrorEvent(SHUTTING_DOWN, 503, "engine_unavailable"))
             else:
                 self._sinks[m.request.id] = m.sink
@@ -331,9 +412,23 @@ class Engine:
         if commands.cancels:
             self._cancel(set(commands.cancels))
 
+    def _dequeue(self, request_id: int) -> None:
+        with self._lock:
+            self._queued.discard(request_id)
+
     def _accept(self, req: GenerationRequest, sink: EventSink) -> None:
         """Validate and queue a request for a batch slot."""
         n = len(req.prompt)
+        refusal = self._too_large(req)  # again: a group's shares are known by now
+        if (
+            n == 0
+            or refusal is not None
+            or (self.max_context is not None and n >= self.max_context)
+        ):
+            self._dequeue(req.id)
+        if refusal is not None:
+            sink(refusal)
+            return
         if n == 0:
             sink(ErrorEvent("the prompt is empty", 400, "empty_prompt"))
             self.metrics.count_request(Outcome.REJECTED)
@@ -358,20 +453,39 @@ class Engine:
         for _ in range(len(self._pending) - len(kept)):
             self.metrics.count_request(Outcome.CANCELLED)
         self._pending = kept
+        for request_id in ids:
+            self._dequeue(request_id)
         uids = [uid for uid, live in self._live.items() if live.request.id in ids]
         if uids:
             self._bg.remove(uids)
             for uid in uids:
                 live = self._live.pop(uid)
+                self._release(live)
                 self.metrics.count_request(Outcome.CANCELLED)
                 log.info(
                     "request %d cancelled after %d tokens", live.request.id, live.completion_tokens
                 )
 
     def _admit(self) -> None:
-        """Insert queued requests into the batch while decode slots are free."""
-        while self._pending and len(self._live) < self.options.decode_concurrency:
-            live = self._pending.popleft()
+        """Insert queued requests into the batch, in order, while a decode slot is
+        free, fewer than `prompt_concurrency` prompts are being processed, and
+        (with a budget) the head of the queue's worst case fits what is left;
+        the prompt cache yields to it (after it took what it reuses from it)."""
+        if self.budget is not None and not self._live:
+            self.budget.settle()  # an empty batch holds nothing any more
+        while (
+            self._pending
+            and len(self._live) < self.options.decode_concurrency
+            and len(self._prompting) < self.options.prompt_concurrency
+        ):
+            live = self._pending[0]
+            if self.budget is not None:
+                shape = self._shape(live.request)
+                if not self.budget.fits(shape):
+                    break  # it waits: sequences finishing will make room
+                self.budget.reserve(live.request.id, shape)
+            self._pending.popleft()
+            self._dequeue(live.request.id)
             try:
                 self._insert(live)
             except Exception as e:  # noqa: BLE001 - this request's settings, not the engine
@@ -399,6 +513,7 @@ class Engine:
         )
         live.uid = uid
         self._live[uid] = live
+        self._prompting.add(uid)
 
     def _step(self) -> None:
         with self._bg.stats() as stats:
@@ -406,6 +521,7 @@ class Engine:
         self.metrics.record_step(
             stats.prompt_tokens, stats.prompt_time, stats.generation_tokens, stats.decode_time
         )
+        self._prompting.difference_update(r.uid for r in prompt_responses if r.end_of_prompt)
         self._snapshot_prompts(prompt_responses)
         self._batch_size = len(responses)
         stopped = []
@@ -427,6 +543,7 @@ class Engine:
             for uid, (cache, tokens) in self._bg.remove(stopped, return_prompt_caches=True).items():
                 self._finish(uid, FinishReason.STOP, cache, tokens)
         self._fail_sampling_errors()
+        self._check_budget()
 
     def _fail_sampling_errors(self) -> None:
         """Fail the requests whose sampler raised during the step (see sampling.Guarded)."""
@@ -446,6 +563,7 @@ class Engine:
         )  # fmt: skip
         if live.uid is not None and self._live.pop(live.uid, None) is not None:
             self._bg.remove([live.uid])
+        self._release(live)
         live.sink(ErrorEvent(f"this request failed: {type(error).__name__}: {error}", 500))
         self.metrics.count_request(Outcome.ERROR)
 
@@ -487,6 +605,7 @@ class Engine:
         self, uid: int, reason: FinishReason, cache: list | None, tokens: list[int] | None
     ) -> None:
         live = self._live.pop(uid)
+        self._release(live)
         if live.stop_hit:
             reason = FinishReason.STOP
         if cache is not None and tokens:
@@ -504,16 +623,73 @@ class Engine:
     def _batch_caches(self) -> list:
         return [] if self._bg is None else batch_caches(self._bg)
 
+    def _release(self, live: _Live) -> None:
+        """Free a request's share of the budget. A sequence that leaves while its
+        prompt is being processed frees it after the next step: until then the
+        prompt batch's window buffers keep the length its chunk gave them."""
+        prompting = live.uid in self._prompting
+        self._prompting.discard(live.uid)
+        if self.budget is not None:
+            self.budget.release(live.request.id, after_step=prompting)
+
+    def _agree_budget(self) -> None:
+        """Every rank's share of the budget (this process's alone, unless in a
+        group), and the capacity line."""
+        if self.budget is None:
+            return
+        self.budget.shares, self.budget.me = self.coordinator.agree_budget(self.budget.share)
+        self.capacity = self.budget.capacity(capacity_tokens(self.max_context))
+        if self.coordinator.leader and len(self.budget.shares) > 1:
+            log.info("%s", self.capacity.line)  # the group's (a process logs its own at startup)
+
     def _cache_budget(self) -> int | None:
-        """Prompt-cache byte cap left once live sequences are counted (mlx-lm's rule)."""
-        if self.options.prompt_cache_bytes is None or self._bg is None:
-            return None
-        return self.options.prompt_cache_bytes - self._bg.prompt_cache_nbytes
+        """Prompt-cache byte cap left once live sequences are counted: mlx-lm's
+        rule for --prompt-cache-bytes, and the room the KV budget leaves next to
+        the admitted sequences' reservations (one process: measured bytes)."""
+        caps = []
+        if self.options.prompt_cache_bytes is not None and self._bg is not None:
+            caps.append(self.options.prompt_cache_bytes - self._bg.prompt_cache_nbytes)
+        if self.budget is not None and len(self.budget.shares) == 1:
+            caps.append(self.budget.room())
+        return min(caps) if caps else None
 
     def _trim_prompt_cache(self) -> None:
         budget = self._cache_budget()
         if budget is not None:
             self.prompt_cache.trim_to(budget)
+        if self.budget is not None and len(self.budget.shares) > 1:
+            self._yield_group_prompt_cache()
+
+    def _yield_group_prompt_cache(self) -> None:
+        """In a group, evict (oldest first) until every rank's prompt cache fits
+        its room, charging entries by their bound on each rank: measured bytes
+        differ between ranks, and every rank must evict alike."""
+        ledger = self.budget
+        rooms = [ledger.room(r) for r in range(len(ledger.shares))]
+        while len(self.prompt_cache):
+            counts = self.prompt_cache.token_counts()
+            if all(
+                sum(s.cost.entry_bytes(n) for n in counts) <= room
+                for s, room in zip(ledger.shares, rooms, strict=True)
+            ):
+                return
+            self.prompt_cache.evict_oldest()
+
+    def _check_budget(self) -> None:
+        """After a step: measure what the caches hold against the budget and the
+        bound of the admitted sequences (both must hold at every step)."""
+        if self.budget is None or self._bg is None:
+            return
+        self.budget.settle()
+        self._trim_prompt_cache()
+        live = int(self._bg.prompt_cache_nbytes)
+        held = self.prompt_cache.nbytes
+        if not self.budget.check(live, held):
+            log.error(
+                "KV budget exceeded after a step: live %d + prompt cache %d bytes, budget %d, "
+                "bound of the admitted sequences %d",
+                live, held, self.budget.budget, self.budget.reserved(),
+            )  # fmt: skip
 
     def _publish(self) -> None:
         report = cache_report(self._batch_caches()) if self._live else []
@@ -526,8 +702,16 @@ class Engine:
                 quantized += int(bool(slot["quantized"]))
         if kv:
             self._kv_fraction = (quantized, kv)
+        if self.budget is not None:
+            b = self.budget
+            self.metrics.set_budget(
+                BudgetFigures(
+                    b.budget, b.reserved(), b.last_live, self.prompt_cache.nbytes,
+                    b.peak_held, b.overruns, b.bound_misses,
+                )
+            )  # fmt: skip
         self.metrics.set_state(
-            queue_depth=len(self._pending) + self._inbox.qsize(),
+            queue_depth=max(len(self._queued), len(self._pending)),
             batch_size=self._batch_size if self._live else 0,
             kv_bytes_by_kind=by_kind,
             kv_layers=self._kv_fraction[1],

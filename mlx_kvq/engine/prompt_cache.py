@@ -160,6 +160,21 @@ class PromptCache:
             self._evict(cap)
         return True
 
+    def token_counts(self) -> list[int]:
+        """How many tokens each entry covers, oldest first."""
+        with self._lock:
+            return [len(k) for k in self._entries]
+
+    def evict_oldest(self) -> bool:
+        """Evict the least recently used entry; False when there is none."""
+        with self._lock:
+            if not self._entries:
+                return False
+            _, entry = self._entries.popitem(last=False)
+            self._nbytes -= entry.nbytes
+            self._evictions += 1
+            return True
+
     def trim_to(self, budget: int | None) -> None:
         """Evict until within the caps, with the byte cap lowered to `budget`."""
         with self._lock:
