@@ -241,7 +241,11 @@ def test_status_is_open_and_describes_plan_and_engine(server):
     assert body["model"] == MODEL_ID
     assert (body["status"], body["reason"]) == ("ready", None)
     assert body["api_key_required"] is True
-    assert body["budget"] is None and body["blas"] is None
+    assert body["blas"] is None
+    budget = body["budget"]  # the default KV budget, derived from this machine
+    assert set(budget) == {"bytes", "reserved", "live", "prompt_cache", "capacity"}
+    assert budget["bytes"] > 0 and budget["reserved"] == budget["live"] == 0
+    assert budget["capacity"].startswith("KV budget ")
     assert body["defaults"]["max_tokens"] == len(REPLY)
 
     # The looping model is kvq_testing.archs' "llama:sliding": 4 layers,
@@ -511,7 +515,7 @@ def test_page_shows_reasoning_tool_calls_budget_and_unquantized_slots(server, br
     browser.execute_script(STUB, {"top": {"budget": budget}, "slot0": slot0}, events)
 
     wait(browser, lambda d: d.find_element("id", "budget").is_displayed(), "the budget section")
-    assert text(browser, "budget-bytes") == "64.0 MiB"
+    wait(browser, lambda d: text(d, "budget-bytes") == "64.0 MiB", "the stubbed budget")
     assert text(browser, "budget-use") == "8.00 MiB / 24.0 MiB"
     assert text(browser, "budget-capacity") == budget["capacity"]
     row = browser.find_element("css selector", "#plan-table tbody tr[data-slot='0']")
