@@ -277,7 +277,7 @@ def test_budget_section_rows(quick_run):
     assert list(rows) == ["unquantized", "8-bit", "4-bit", "default"]
     for r in rows.values():
         assert 1 <= r["at_once"] <= r["fits"]
-        assert _stat_ok(r["tokens_per_s"])
+        assert _stat_ok(r["tokens_per_s"]) and _stat_ok(r["decode_tokens_per_s"])
         assert r["overruns"] == 0 and 0 < r["peak_held"] <= section["budget"]
     assert rows["unquantized"]["fits"] == quick().budget_unquantized
     assert rows["default"]["fits"] >= 3 * rows["unquantized"]["fits"]

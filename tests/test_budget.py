@@ -26,12 +26,14 @@ from mlx_kvq.caches import cache_report
 from mlx_kvq.config import KVConfig
 from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 from mlx_kvq.engine import (
+    BudgetShare,
     Engine,
     EngineOptions,
     ErrorEvent,
     FinishEvent,
     GenerationRequest,
     Ledger,
+    LocalCoordinator,
     SamplingParams,
     Shape,
     TokenEvent,
@@ -221,13 +223,13 @@ def test_engine_never_holds_more_than_the_budget_or_the_bound(loaded, name, budg
         shared = [rng.randrange(1, 300) for _ in range(200)]
         _flood(engine, [(shared[:50], 4)])  # a conversation's first turn, in the prompt cache
         requests = [(shared[:80], 30), (shared[:120], 20)]  # its next turns
-        for _ in range(22):
+        for _ in range(16):
             if rng.random() < 0.3:
                 prompt = shared[: rng.randrange(10, 200)]
             else:
                 prompt = [rng.randrange(1, 300) for _ in range(rng.randrange(1, 150))]
-            requests.append((prompt, rng.randrange(1, 100)))
-        sinks = _flood(engine, requests, cancel={3, 11, 17})
+            requests.append((prompt, rng.randrange(1, 60)))
+        sinks = _flood(engine, requests, cancel={3, 9, 14})
     finally:
         engine.stop()
     ends = [s.end for s in sinks if not getattr(s, "cancelled", False)]
@@ -274,12 +276,12 @@ def test_default_setting_runs_3x_the_sequences_of_unquantized(loaded):
     for name in ("unquantized", "default"):
         engine = _engine(model, tokenizer, SETTINGS[name], budget, prompt_cache_size=0)
         try:
-            requests = [([1 + (i * 7 + j) % 300 for j in range(60)], 60) for i in range(24)]
+            requests = [([1 + (i * 7 + j) % 300 for j in range(60)], 30) for i in range(12)]
             sinks = _flood(engine, requests)
             assert all(isinstance(s.end, FinishEvent) for s in sinks)
             at_once[name] = engine.metrics.snapshot().max_batch_size
             assert engine.budget.overruns == 0 and engine.budget.peak_held <= budget
-            fits = engine.budget.share.cost.sequences(budget, Shape(60, 120))
+            fits = engine.budget.share.cost.sequences(budget, Shape(60, 90))
             assert at_once[name] <= fits
         finally:
             engine.stop()
@@ -299,5 +301,37 @@ def test_request_that_never_fits_is_refused_at_once(loaded):
         assert "KV budget of 390.6 KiB" in sink.end.message
         assert "lower max_tokens to" in sink.end.message
         assert engine.metrics.snapshot().rejections == {"kv_budget": 1}
+    finally:
+        engine.stop()
+
+
+class TwoRanks(LocalCoordinator):
+    """A group of two in one process: the other rank has half this one's budget."""
+
+    def agree_budget(self, mine: BudgetShare):
+        return [mine, BudgetShare(mine.budget // 2, mine.cost, mine.unquantized)], 0
+
+
+def test_a_group_admits_what_every_rank_holds(loaded):
+    model, tokenizer = loaded
+    budget = 1_200_000
+    plan = plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
+    options = EngineOptions(kv_cache_memory=budget, max_context=plan.max_context)
+    engine = Engine(model, tokenizer, plan, DEFAULT_KV_CONFIG, options, coordinator=TwoRanks())
+    engine.start()
+    try:
+        assert engine.readiness.ready_event.wait(WAIT_S) and engine.readiness.ready
+        shape = Shape(60, 160)
+        cost = engine.budget.share.cost
+        assert cost.sequences(budget // 2, shape) < cost.sequences(budget, shape)
+        assert engine.capacity.ranks == 2 and "per rank (2 ranks)" in engine.capacity.line
+        requests = [([1 + (i * 5 + j) % 300 for j in range(60)], 100) for i in range(10)]
+        sinks = _flood(engine, requests)
+        assert all(isinstance(s.end, FinishEvent) for s in sinks)
+        assert engine.metrics.snapshot().max_batch_size <= cost.sequences(budget // 2, shape)
+        # the prompt cache is charged by its entries' bound on each rank
+        charged = sum(cost.entry_bytes(n) for n in engine.prompt_cache.token_counts())
+        assert 0 < charged <= budget // 2
+        assert engine.budget.overruns == 0 and engine.budget.bound_misses == 0
     finally:
         engine.stop()

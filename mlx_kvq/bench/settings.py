@@ -77,8 +77,8 @@ class BenchSettings:
     # serving under a KV memory budget (budget_bench.py)
     budget_memory: int | None = None  # bytes; None: what budget_unquantized sequences need
     budget_unquantized: int = 4
-    budget_requests: int = 32
-    budget_prompt: int = 512
+    budget_requests: int = 16
+    budget_prompt: int = 128
     budget_tokens: int = 128
     budget_repeats: int = 2
 

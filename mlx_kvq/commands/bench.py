@@ -94,7 +94,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "sequences need)",
     )
     p.add_argument(
-        "--budget-requests", type=int, default=None, help="requests of the budget section (32)"
+        "--budget-requests", type=int, default=None, help="requests of the budget section (16)"
+    )
+    p.add_argument(
+        "--budget-prompt", type=int, default=None, help="prompt tokens per request there (128)"
+    )
+    p.add_argument(
+        "--budget-tokens", type=int, default=None, help="generated tokens per request there (128)"
     )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=None)  # fmt: skip
@@ -116,6 +122,7 @@ def settings_from_args(args: argparse.Namespace):
         "mlx_lm_max_call_s": args.mlx_lm_max_call_s, "seed": args.seed,
         "serving_repeats": args.serving_repeats,
         "budget_memory": args.budget_memory, "budget_requests": args.budget_requests,
+        "budget_prompt": args.budget_prompt, "budget_tokens": args.budget_tokens,
     }  # fmt: skip
     s = replace(s, **{k: v for k, v in changes.items() if v is not None})
     if args.model_config:

@@ -418,35 +418,30 @@ class Engine:
 
     def _accept(self, req: GenerationRequest, sink: EventSink) -> None:
         """Validate and queue a request for a batch slot."""
-        n = len(req.prompt)
-        refusal = self._too_large(req)  # again: a group's shares are known by now
-        if (
-            n == 0
-            or refusal is not None
-            or (self.max_context is not None and n >= self.max_context)
-        ):
-            self._dequeue(req.id)
+        refusal = self._invalid(req)
         if refusal is not None:
+            self._dequeue(req.id)
             sink(refusal)
-            return
-        if n == 0:
-            sink(ErrorEvent("the prompt is empty", 400, "empty_prompt"))
-            self.metrics.count_request(Outcome.REJECTED)
-            return
-        if self.max_context is not None and n >= self.max_context:
-            sink(
-                ErrorEvent(
-                    f"the prompt has {n} tokens; this server's KV plan allows a context "
-                    f"of {self.max_context} tokens",
-                    400,
-                    "context_length_exceeded",
-                )
-            )
-            self.metrics.count_request(Outcome.REJECTED)
             return
         self._pending.append(
             _Live(req, sink, self.tokenizer.detokenizer, StopMatcher(req.params.stop))
         )
+
+    def _invalid(self, req: GenerationRequest) -> ErrorEvent | None:
+        """The 400 for a request no batch slot can take (counted), or None."""
+        n = len(req.prompt)
+        if n == 0:
+            self.metrics.count_request(Outcome.REJECTED)
+            return ErrorEvent("the prompt is empty", 400, "empty_prompt")
+        if self.max_context is not None and n >= self.max_context:
+            self.metrics.count_request(Outcome.REJECTED)
+            return ErrorEvent(
+                f"the prompt has {n} tokens; this server's KV plan allows a context "
+                f"of {self.max_context} tokens",
+                400,
+                "context_length_exceeded",
+            )
+        return self._too_large(req)  # again: a group's shares are known by now
 
     def _cancel(self, ids: set[int]) -> None:
         kept = deque(live for live in self._pending if live.request.id not in ids)
