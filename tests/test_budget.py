@@ -99,7 +99,7 @@ def test_price_per_slot_is_what_caches_hold(loaded, name):
             quantized = c.keys.quantized or c.values.quantized
             per_token = slot.stored if quantized else slot.raw
             assert r["nbytes"] == c.nbytes == per_token * held, (name, n, r)
-            assert cost._slot_bytes(slot, held) >= r["nbytes"]
+            assert cost.slot_bytes(slot, held) >= r["nbytes"]
 
 
 def test_prices_follow_the_setting(loaded):

@@ -94,7 +94,7 @@ class CostModel:
         )  # fmt: skip
 
     # -- one slot ------------------------------------------------------------
-    def _slot_bytes(self, s: SlotCost, n: int) -> int:
+    def slot_bytes(self, s: SlotCost, n: int) -> int:
         """Bytes of `n` buffer slots, raw before quantized_kv_start, stored after."""
         b = s.stored * n
         if self.quantized_start and s.raw > s.stored:
@@ -112,7 +112,7 @@ class CostModel:
                 n = s.window
             else:
                 n = s.window - 1 + window_extra
-            total += self._slot_bytes(s, n)
+            total += self.slot_bytes(s, n)
         return total
 
     # -- sets of sequences -------------------------------------------------
@@ -142,7 +142,7 @@ class CostModel:
         total = self.state_bytes
         for s in self.slots:
             n = tokens if s.window is None else min(tokens, s.window - 1 + self.prefill_step)
-            total += self._slot_bytes(s, n)
+            total += self.slot_bytes(s, n)
         return total
 
     def sequences(self, budget: int, shape: Shape) -> int:
@@ -275,8 +275,7 @@ class Ledger:
     peak_held: int = 0
     overruns: int = 0  # steps whose measured bytes exceeded the budget (never, if the bound holds)
     bound_misses: int = 0  # steps whose live bytes exceeded the bound (a bug in the cost model)
-    last_live: int = 0
-    last_prompt_cache: int = 0
+    last_live: int = 0  # live bytes measured after the last step
 
     @property
     def share(self) -> Share:
@@ -348,7 +347,7 @@ class Ledger:
         """Measured bytes after a step against the budget and the bound; False
         (and counted) when either is exceeded."""
         held = live + prompt_cache
-        self.last_live, self.last_prompt_cache = live, prompt_cache
+        self.last_live = live
         self.peak_held = max(self.peak_held, held)
         ok = True
         if held > self.budget:
