@@ -13,8 +13,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..caches.base import KVQCache
-from ..quant import Store
 from .group import world
 
 TENSOR = "tensor"
@@ -55,14 +53,13 @@ def load_sharded(
 ) -> tuple[Any, Any, dict, Shard]:
     """mlx-lm's `sharded_load` over the whole group, plus this rank's `Shard`.
 
-    Pipeline mode also makes the quantized caches usable at the stage
-    boundary (see `enable_pipeline_caches`).
+    Pipeline stages end with `cache[-1].keys = mx.depends(cache[-1].keys, h)`
+    in mlx-lm's model code; quantized caches take that as they are (see
+    `KVQCache.keys`).
     """
     from mlx_lm.utils import sharded_load
 
     g = world()
-    if pipeline:
-        enable_pipeline_caches()
     model, tokenizer, config = sharded_load(
         path,
         pipeline_group=g if pipeline else None,
@@ -81,64 +78,6 @@ def load_sharded(
         total = len(getattr(model, "layers", []) or [])
         shard = Shard(TENSOR, g.rank(), g.size(), 0, total, total)
     return model, tokenizer, config, shard
-
-
-# -- pipeline stage boundary ---------------------------------------------------
-class _DependableStore(Store):
-    """A `Store` that `mx.depends` accepts: a sequence of its arrays.
-
-    mlx-lm's pipeline models end each non-final stage with
-    `cache[-1].keys = mx.depends(cache[-1].keys, h)`, which ties the send of
-    the hidden state to the cache so that evaluating the cache (prefill)
-    performs the send. `mx.depends` takes an array or a sequence of arrays;
-    a plain `Store` is neither (and, having `__getitem__` without `__len__`,
-    would be iterated forever).
-    """
-
-    __slots__ = ()
-
-    def __len__(self) -> int:
-        return len(self.parts)
-
-    def __iter__(self):
-        return iter(self.parts)
-
-    def __getitem__(self, idx):
-        if type(idx) is int:
-            return self.parts[idx]
-        return Store.__getitem__(self, idx)
-
-
-def _get_keys(self):
-    v = self.__dict__.get("keys")
-    if type(v) is Store:
-        v.__class__ = _DependableStore
-    return v
-
-
-def _set_keys(self, value) -> None:
-    if isinstance(value, (list, tuple)):  # what mx.depends hands back
-        old = self.__dict__.get("keys")
-        value = _DependableStore(value, old.spec)
-    self.__dict__["keys"] = value
-
-
-_ENABLED = False
-
-
-def enable_pipeline_caches() -> None:
-    """Let mlx-lm's pipeline code put its send dependency on quantized caches.
-
-    Installs a `keys` property on `KVQCache` (every mlx-kvq cache, batch
-    forms included) that hands out a `Store` `mx.depends` can take and turns
-    the list it returns back into a `Store`. Storage and behaviour are
-    otherwise unchanged. Idempotent; only pipeline ranks call it.
-    """
-    global _ENABLED
-    if _ENABLED:
-        return
-    KVQCache.keys = property(_get_keys, _set_keys)
-    _ENABLED = True
 
 
 def sync_seed(seed: int | None = None) -> int:
