@@ -96,6 +96,7 @@ class KVQBatchFullCache(BatchKVQCache):
     """Left-padded batch of full-attention caches."""
 
     kind = "full"
+    single = KVQFullCache  # what `extract` returns
 
     def __init__(
         self,
@@ -170,7 +171,7 @@ class KVQBatchFullCache(BatchKVQCache):
         self._extend_stores(other)
 
     def extract(self, idx: int) -> KVQFullCache:
-        cache = KVQFullCache(self.key_spec, self.value_spec, self.start, self.hand_out)
+        cache = self.single(self.key_spec, self.value_spec, self.start, self.hand_out)
         cache.dtype = self.dtype
         pad = self.left_padding.tolist()[idx]
         cache._keys = self._keys[idx : idx + 1, :, pad : self._idx].map(mx.contiguous)

@@ -18,6 +18,8 @@ from ..quant import Store
 from .base import PACKED, KVQCache
 from .chunked import KVQChunkedCache
 from .full import KVQBatchFullCache, KVQFullCache
+from .indexer import KVQBatchIndexerCache, KVQIndexerCache
+from .layer import KVQCompressedRows, KVQIndexRows, KVQLayerCache, KVQWindowRows, PendingRows
 from .window import KVQBatchWindowCache, KVQWindowCache
 
 Converter = Callable[[object, QuantSpec, QuantSpec, int, str], KVQCache]
@@ -35,6 +37,7 @@ class CacheKind:
     convert: Converter | None
     window: Callable[[object], int | None] = lambda c: None
     description: str = ""
+    one_sequence: bool = False  # its batch form holds one sequence
 
 
 def _own(x):
@@ -99,15 +102,50 @@ REGISTRY: dict[type, CacheKind] = {
     KVQChunkedCache: CacheKind("chunked", _same, lambda c: c.chunk_size),
     KVQBatchFullCache: CacheKind("full", _same),
     KVQBatchWindowCache: CacheKind("sliding", _same, lambda c: c.max_size),
+    KVQIndexerCache: CacheKind("indexer", _same, description="sparse-attention index keys"),
+    KVQBatchIndexerCache: CacheKind("indexer", _same, description="index keys, batch"),
+    KVQWindowRows: CacheKind("sliding", _same, lambda c: c.max_rows, "LayerCache window"),
+    KVQCompressedRows: CacheKind("compressed", _same, description="LayerCache compressed KV"),
+    KVQIndexRows: CacheKind("indexer", _same, description="LayerCache index keys"),
+    PendingRows: CacheKind("state", None, description="LayerCache open compression group"),
+    KVQLayerCache: CacheKind(
+        "layer", _same, lambda c: c.window_size, "deepseek_v41 layer cache", one_sequence=True
+    ),
 }
 
-# CacheList is a container: its members are looked up one by one.
-CONTAINERS = (mlx_cache.CacheList,)
+# Model-specific cache classes, declared by qualified name (no model module is
+# imported for this). Their fields are planned one by one (see plan.py).
+BY_NAME: dict[str, CacheKind] = {
+    "mlx_lm.models.deepseek_v41.LayerCache": CacheKind(
+        "layer", None, lambda c: c.window_size, "deepseek_v41 layer cache", one_sequence=True
+    ),
+}
+
+# Our own caches: already what a plan builds.
+TWINS = frozenset(cls for cls, kind in REGISTRY.items() if kind.convert is _same)
+
+# Containers: their members are looked up one by one.
+CONTAINERS = (mlx_cache.CacheList, KVQLayerCache)
 
 
 def lookup(cache) -> CacheKind | None:
     """The declared kind of `cache`, by exact type (None if undeclared)."""
-    return REGISTRY.get(type(cache))
+    kind = REGISTRY.get(type(cache))
+    if kind is None:
+        kind = BY_NAME.get(f"{type(cache).__module__}.{type(cache).__qualname__}")
+    return kind
+
+
+def leaves(cache) -> list:
+    """The caches a slot holds: a container's members (recursively), else itself."""
+    if type(cache) in CONTAINERS:
+        return [leaf for c in cache.caches for leaf in leaves(c)]
+    return [cache]
+
+
+def is_twin(cache) -> bool:
+    """True for a cache mlx-kvq made (a declared quantized twin)."""
+    return type(cache) in TWINS
 
 
 def quantize_cache(
@@ -117,7 +155,7 @@ def quantize_cache(
 
     Raises `TypeError` for a type nobody declared.
     """
-    if type(cache) in CONTAINERS:
+    if type(cache) is mlx_cache.CacheList:
         members = [quantize_cache(c, key_spec, value_spec, start, hand_out) for c in cache.caches]
         return mlx_cache.CacheList(*members)
     kind = lookup(cache)
@@ -139,6 +177,9 @@ def register_for_prompt_files() -> None:
         KVQChunkedCache,
         KVQBatchFullCache,
         KVQBatchWindowCache,
+        KVQIndexerCache,
+        KVQBatchIndexerCache,
+        KVQLayerCache,
     ):
         setattr(mlx_cache, cls.__name__, cls)
 

@@ -90,7 +90,7 @@ def serve(args: argparse.Namespace) -> int:
     sync_seed()
 
     def checks(plan) -> None:
-        check_batch_path(plan.make_cache, cache_report, kv_config)
+        check_batch_path(plan.make_cache, cache_report, kv_config, plan.max_batch)
         warmup_spec(plan.max_window, kv_config, plan.max_context)
 
     try:
@@ -110,7 +110,7 @@ def serve(args: argparse.Namespace) -> int:
 
     # tests: "{rank}" in the gate path holds back one rank's warm-up
     gate = args.warmup_gate.replace("{rank}", str(rank)) if args.warmup_gate else None
-    options = server_main.engine_options(args, plan.max_context, gate)
+    options = server_main.engine_options(args, plan.max_context, gate, plan.max_batch)
     engine = DistributedEngine(
         model, tokenizer, plan, kv_config, options, heartbeat=hb, rank_infos=infos, shard=shard,
         step_timeout=args.distributed_step_timeout,

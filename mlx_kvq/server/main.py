@@ -197,13 +197,13 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         plan = plan_kv(model, kv_config, batch=True)
-        check_batch_path(plan.make_cache, cache_report, kv_config)
+        check_batch_path(plan.make_cache, cache_report, kv_config, plan.max_batch)
         warmup_spec(plan.max_window, kv_config, plan.max_context)
     except UnsupportedKVConfig as e:
         return _fail(f"KV setting refused for {model_id}: {e}")
     log.info("KV plan for %s:\n%s", model_id, plan.table())
 
-    options = engine_options(args, plan.max_context, args.warmup_gate)
+    options = engine_options(args, plan.max_context, args.warmup_gate, plan.max_batch)
     engine = Engine(model, tokenizer, plan, kv_config, options)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     settings = _settings(args, model_id, plan, api_key)
@@ -234,14 +234,29 @@ def _load(source: str, args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def engine_options(
-    args: argparse.Namespace, max_context: int | None, warmup_gate: str | None
+    args: argparse.Namespace,
+    max_context: int | None,
+    warmup_gate: str | None,
+    max_batch: int | None = None,
 ) -> EngineOptions:
-    """The engine's scheduling and prompt-cache settings from the serve flags."""
+    """The engine's scheduling and prompt-cache settings from the serve flags.
+
+    `max_batch` is the plan's limit (deepseek_v41 runs one sequence at a
+    time, as in mlx-lm's server): the concurrency flags are capped to it, and
+    the log says so."""
     from mlx_kvq.engine import EngineOptions
 
+    decode, prompt = args.decode_concurrency, args.prompt_concurrency
+    if max_batch is not None and max(decode, prompt) > max_batch:
+        log.warning(
+            "this model runs %d sequence(s) at a time: --decode-concurrency %d and "
+            "--prompt-concurrency %d are capped to %d (requests queue)",
+            max_batch, decode, prompt, max_batch,
+        )  # fmt: skip
+        decode, prompt = min(decode, max_batch), min(prompt, max_batch)
     return EngineOptions(
-        decode_concurrency=args.decode_concurrency,
-        prompt_concurrency=args.prompt_concurrency,
+        decode_concurrency=decode,
+        prompt_concurrency=prompt,
         prefill_step_size=args.prefill_step_size,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,

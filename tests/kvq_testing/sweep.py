@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from mlx_kvq.caches import KVQCache, cache_report
 from mlx_kvq.config import KVConfig, UnsupportedKVConfig
-from mlx_kvq.plan import plan_kv
+from mlx_kvq.plan import KV_KINDS, plan_kv
 
 from . import archs
 
@@ -47,7 +47,7 @@ def _leaves(cache: list) -> list:
 
 
 def _held_slots(c) -> int:
-    return c.keys.length if c.keys is not None else 0
+    return c.key_store.length if c.key_store is not None else 0
 
 
 def sweep_one(name: str, bits: int = 4) -> SweepResult:
@@ -68,7 +68,7 @@ def sweep_one(name: str, bits: int = 4) -> SweepResult:
         if not archs.logits_finite(model, logits):
             raise AssertionError("non-finite logits")
         report = cache_report(cache)
-        kv_reports = [r for r in report if r["kind"] in ("full", "sliding", "chunked")]
+        kv_reports = [r for r in report if r["kind"] in KV_KINDS]
         leaves = [c for c in _leaves(cache) if isinstance(c, KVQCache)]
         layer_plans = plan.kv_layers
         checks = {
@@ -85,11 +85,11 @@ def sweep_one(name: str, bits: int = 4) -> SweepResult:
             if bound is not None and c.size() > bound:
                 raise AssertionError(f"slot {p.slot} holds {c.size()} tokens, window {p.window}")
             slots = _held_slots(c)
-            if slots and p.bytes_per_token() > 0:
+            if slots and p.bytes_per_row() > 0:
                 per_slot = c.nbytes / slots
                 if c.nbytes == 0:
                     continue
-                worst = max(worst, abs(per_slot / p.bytes_per_token() - 1))
+                worst = max(worst, abs(per_slot / p.bytes_per_row() - 1))
         checks["bytes_per_token_error"] = round(worst, 4)
         if worst > 0.05:
             raise AssertionError(f"plan bytes/token off by {worst:.1%} from bytes held")
