@@ -438,7 +438,8 @@ def _twin(plan: KVPlan, p: LayerPlan, c, start: int):
     return quantize_cache(c, p.key_spec, p.value_spec, start, p.hand_out)
 
 
-def _model_type(model) -> str:
+def model_type_of(model) -> str:
+    """The model's `model_type` (its config's), or its module name."""
     args = getattr(model, "args", None)
     mt = getattr(args, "model_type", None)
     if mt:
@@ -492,7 +493,7 @@ def plan_kv(
         else model_from_config(model_or_config)
     )
     attention.install()
-    model_type = _model_type(model)
+    model_type = model_type_of(model)
     if cfg.enabled and model_type in REFUSED_MODELS:
         raise UnsupportedKVConfig(
             f"{model_type}: KV quantization is not supported: {REFUSED_MODELS[model_type]}. "

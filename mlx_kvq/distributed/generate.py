@@ -24,7 +24,7 @@ def cli_generate(args: argparse.Namespace) -> int:
     from .group import gather_json, world
     from .heartbeat import Heartbeat
     from .loading import load_sharded, sync_seed
-    from .planning import gather_kv_bytes, plan_on_every_rank, ranks_table
+    from .planning import check_sharding, gather_kv_bytes, plan_on_every_rank, ranks_table
 
     g = world()
     rank = g.rank()
@@ -39,13 +39,17 @@ def cli_generate(args: argparse.Namespace) -> int:
         return _fail("--draft-model is not supported under mlx.launch (as in mlx-lm)")
     if args.prompt_cache_file:
         return _fail("--prompt-cache-file is not supported under mlx.launch")
+    try:  # before any weight is read, the same on every rank
+        layout = check_sharding(path, args.pipeline)
+    except UnsupportedKVConfig as e:
+        return _fail(f"rank {rank}: {e}")
     if cfg.enabled and (path / "config.json").exists():
         plan_kv(path, cfg)  # refuse bad settings before loading weights (same on every rank)
 
     hb = Heartbeat.start()
     hb.on_group_failed = lambda reason: hb._on_lost(0, reason)
     try:
-        model, tokenizer, _, shard = load_sharded(str(path), pipeline=args.pipeline)
+        model, tokenizer, _, shard = load_sharded(str(path), pipeline=args.pipeline, layout=layout)
     except Exception as e:
         hb.report_fatal(f"rank {rank}: loading failed: {type(e).__name__}: {e}")
         hb.stopping()

@@ -57,7 +57,7 @@ def serve(args: argparse.Namespace) -> int:
     from .group import gather_json
     from .heartbeat import Heartbeat
     from .loading import load_sharded, sync_seed
-    from .planning import group_plan_dict, plan_on_every_rank, ranks_table
+    from .planning import check_sharding, group_plan_dict, plan_on_every_rank, ranks_table
 
     def fail(message: str) -> int:
         return _fail(f"rank {rank}: {message}")
@@ -66,6 +66,7 @@ def serve(args: argparse.Namespace) -> int:
         kv_config = kv_config_from_args(args)
         _check_numbers(args)
         source, model_id = _resolve_model(args)
+        layout = check_sharding(source, args.pipeline)  # before any weight is read
         if args.pipeline and args.prompt_cache_bytes is not None:
             raise ValueError(
                 "--prompt-cache-bytes is not supported with --pipeline: ranks hold different "
@@ -82,7 +83,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         model, tokenizer, _, shard = load_sharded(
             source, args.pipeline, tokenizer_config=tokenizer_config,
-            trust_remote_code=args.trust_remote_code,
+            trust_remote_code=args.trust_remote_code, layout=layout,
         )  # fmt: skip
     except Exception as e:
         hb.report_fatal(f"rank {rank}: could not load the model: {type(e).__name__}: {e}")
