@@ -43,6 +43,8 @@ def cli_generate(args: argparse.Namespace) -> int:
         layout = check_sharding(path, args.pipeline)
     except UnsupportedKVConfig as e:
         return _fail(f"rank {rank}: {e}")
+    except Exception as e:  # no config to read: say so, as loading would
+        return _fail(f"rank {rank}: could not read the config of {path}: {type(e).__name__}: {e}")
     if cfg.enabled and (path / "config.json").exists():
         plan_kv(path, cfg)  # refuse bad settings before loading weights (same on every rank)
 

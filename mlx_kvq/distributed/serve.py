@@ -66,7 +66,6 @@ def serve(args: argparse.Namespace) -> int:
         kv_config = kv_config_from_args(args)
         _check_numbers(args)
         source, model_id = _resolve_model(args)
-        layout = check_sharding(source, args.pipeline)  # before any weight is read
         if args.pipeline and args.prompt_cache_bytes is not None:
             raise ValueError(
                 "--prompt-cache-bytes is not supported with --pipeline: ranks hold different "
@@ -74,6 +73,12 @@ def serve(args: argparse.Namespace) -> int:
             )
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
+    try:  # before any weight is read, the same on every rank
+        layout = check_sharding(source, args.pipeline)
+    except UnsupportedKVConfig as e:
+        return fail(str(e))
+    except Exception as e:  # no config to read: say so, as loading would
+        return fail(f"could not read the config of {source}: {type(e).__name__}: {e}")
 
     hb = Heartbeat.start()
     hb.on_group_failed = lambda reason: hb._on_lost(0, reason)  # startup: leave with rank 0
