@@ -278,7 +278,7 @@ def test_penalties_per_sequence_in_a_quantized_batch(scripted):
 
 def test_mlx_lm_recognizes_tool_calls_and_thinking(scripted):
     path, _, tokenizer = scripted
-    assert tokenizer.has_tool_calling
+    assert tokenizer.has_tool_calling and tokenizer.init_kwargs["tool_parser_type"] == "json_tools"
     assert (tokenizer.tool_call_start, tokenizer.tool_call_end) == ("<tool_call>", "</tool_call>")
     assert tokenizer.tool_call_start_tokens == (token_id(path, "<tool_call>"),)
     assert tokenizer.tool_parser(TOOL_TEXT, TOOLS) == {
@@ -351,6 +351,36 @@ def test_history_rendering(tmp_path, template):
             "<|im_start|>user\n<tool_response>\n22 C\n</tool_response><|im_end|>\n"
             "<|im_start|>assistant\n"
         )
+
+
+CODER_CALL = "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+
+
+def test_qwen3_coder_template_iterates_the_arguments(tmp_path):
+    """mlx-lm picks its qwen3_coder parser, which reads the scripted XML call;
+    history arguments must be dicts (a JSON string fails, as with Qwen3-Coder)."""
+    script = {"weather": ["<tool_call>", CODER_CALL, "</tool_call>"]}
+    path = save_scripted_model(tmp_path / "coder", script, template="qwen3_coder")
+    model, tokenizer = load(str(path))
+    assert tokenizer.has_tool_calling and tokenizer.init_kwargs["tool_parser_type"] == "qwen3_coder"
+    prompt = prompt_of(tokenizer, "tool_call")
+    answer = generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+    assert answer == "<tool_call>" + CODER_CALL + "</tool_call>"
+    assert tokenizer.tool_parser(CODER_CALL, TOOLS) == {
+        "name": "get_weather",
+        "arguments": {"city": "Paris"},
+    }
+    history = CASES["tool_call"][0] + [
+        {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "22 C"},
+    ]
+    prompt2 = tokenizer.apply_chat_template(history, tools=TOOLS, add_generation_prompt=True)
+    generated = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert prompt2[: len(prompt) + len(generated)] == prompt + generated
+    as_string = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    history[1] = {**history[1], "tool_calls": [{**TOOL_CALL, "function": as_string}]}
+    with pytest.raises(TypeError, match="mapping"):  # jinja2's `items` filter
+        tokenizer.apply_chat_template(history, tools=TOOLS, add_generation_prompt=True)
 
 
 def test_open_think_template_starts_inside_the_reasoning(tmp_path):

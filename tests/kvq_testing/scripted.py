@@ -112,12 +112,28 @@ Templates (``template=``)
 ``"qwen3_open_think"``
     Like ``"qwen3"``, with ``<think>\n`` at the end of the generation prompt
     (the model starts inside its reasoning).
+``"qwen3_coder"``
+    Like ``"qwen3"``, with Qwen3-Coder's XML tool calls (mlx-lm's
+    ``qwen3_coder`` parser)::
+
+        <tool_call>
+        <function=get_weather>
+        <parameter=city>
+        Paris
+        </parameter>
+        </function>
+        </tool_call>
+
+    Like Qwen3-Coder's template it iterates ``arguments | items``, so an
+    assistant ``tool_calls`` entry in the history whose arguments are still
+    a JSON string fails to render (mlx_lm.server decodes them to dicts first).
 
 mlx-lm infers from these files what it infers for real models: the qwen3
-templates give ``tokenizer.has_tool_calling`` (parser ``json_tools``, markers
-``<tool_call>``/``</tool_call>``) and ``has_thinking`` (``<think>`` and
-``</think>``, one token each); ``"plain"`` gives neither unless the pieces
-contain the think markers (mlx-lm looks those up in the vocabulary).
+templates give ``tokenizer.has_tool_calling`` (parser ``json_tools``, or
+``qwen3_coder`` for that template; markers ``<tool_call>`` and
+``</tool_call>``) and ``has_thinking`` (``<think>`` and ``</think>``, one
+token each); ``"plain"`` gives neither unless the pieces contain the think
+markers (mlx-lm looks those up in the vocabulary).
 
 Rules, checked when the model is written (``ValueError`` otherwise): a
 trigger is not a piece of any reply and does not occur in the template's own
@@ -165,7 +181,7 @@ import numpy as np
 START = "<|scripted:start|>"  # `extra` key: the step before the first piece
 EOS = "<|scripted:eos|>"  # `extra` value: the end of the reply (the template's EOS token)
 
-TEMPLATES = ("plain", "qwen3", "qwen3_keep_reasoning", "qwen3_open_think")
+TEMPLATES = ("plain", "qwen3", "qwen3_keep_reasoning", "qwen3_open_think", "qwen3_coder")
 ARCHS = ("llama", "hybrid")
 DEFAULT_REPLY = ("Nothing is scripted for this.",)
 SCRIPT_FILE = "scripted.json"
@@ -241,8 +257,9 @@ _PLAIN_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-# Qwen3-style, written for these tests; KEEP_REASONING and OPEN_THINK are
-# replaced by `true`/`false` for the variants.
+# Qwen3-style, written for these tests. KEEP_REASONING and OPEN_THINK are
+# replaced by `true`/`false`, TOOLS_HOW_TO and TOOL_CALL by the tool-call
+# format's blocks (textually: mlx-lm picks the parser by searching the text).
 _QWEN3_TEMPLATE = r"""
 {%- if tools %}
     {{- '<|im_start|>system\n' }}
@@ -253,7 +270,7 @@ _QWEN3_TEMPLATE = r"""
     {%- for tool in tools %}
         {{- '\n' + (tool | tojson) }}
     {%- endfor %}
-    {{- '\n</tools>\n\nCall a function with <tool_call>\n{"name": <name>, "arguments": <json>}\n</tool_call><|im_end|>\n' }}
+TOOLS_HOW_TO
 {%- elif messages and messages[0].role == 'system' %}
     {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}
@@ -288,13 +305,7 @@ _QWEN3_TEMPLATE = r"""
                 {%- if content or not loop.first %}
                     {{- '\n' }}
                 {%- endif %}
-                {{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\n</tool_call>' }}
+TOOL_CALL
             {%- endfor %}
         {%- endif %}
         {{- '<|im_end|>\n' }}
@@ -329,10 +340,30 @@ class _TemplateSpec:
     pad: str
 
 
-def _qwen3(keep: bool, open_think: bool) -> _TemplateSpec:
-    flags = {"KEEP_REASONING": keep, "OPEN_THINK": open_think}
-    text = _QWEN3_TEMPLATE
-    for name, value in flags.items():
+_JSON_TOOLS = (
+    r"""    {{- '\n</tools>\n\nCall a function with <tool_call>\n{"name": <name>, "arguments": <json>}\n</tool_call><|im_end|>\n' }}""",
+    r"""                {{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}""",
+)
+_XML_TOOLS = (
+    r"""    {{- '\n</tools>\n\nCall a function with <tool_call>\n<function=NAME>\n<parameter=NAME>\nVALUE\n</parameter>\n</function>\n</tool_call><|im_end|>\n' }}""",
+    r"""                {{- '<tool_call>\n<function=' + tool_call.name + '>\n' }}
+                {%- for name, value in tool_call.arguments | items %}
+                    {{- '<parameter=' + name + '>\n' + (value if value is string else value | tojson) + '\n</parameter>\n' }}
+                {%- endfor %}
+                {{- '</function>\n</tool_call>' }}""",
+)
+
+
+def _qwen3(keep: bool = False, open_think: bool = False, coder: bool = False) -> _TemplateSpec:
+    how_to, call = _XML_TOOLS if coder else _JSON_TOOLS
+    text = _QWEN3_TEMPLATE.replace("TOOLS_HOW_TO", how_to).replace("TOOL_CALL\n", call + "\n")
+    for name, value in {"KEEP_REASONING": keep, "OPEN_THINK": open_think}.items():
         text = text.replace(name, "true" if value else "false")
     return _TemplateSpec(
         text,
@@ -368,9 +399,10 @@ _TEMPLATE_SPECS = {
         eos="<|end|>",
         pad="<pad>",
     ),
-    "qwen3": _qwen3(keep=False, open_think=False),
-    "qwen3_keep_reasoning": _qwen3(keep=True, open_think=False),
-    "qwen3_open_think": _qwen3(keep=False, open_think=True),
+    "qwen3": _qwen3(),
+    "qwen3_keep_reasoning": _qwen3(keep=True),
+    "qwen3_open_think": _qwen3(open_think=True),
+    "qwen3_coder": _qwen3(coder=True),
 }
 
 
