@@ -142,9 +142,16 @@ SETTINGS = {
 
 
 def test_long_case_wraps_the_windows(scripted):
+    """The long case is past 600 tokens, and the hybrid's quantized window
+    caches hold only their window of it afterwards."""
     path, model, tokenizer = scripted
-    assert len(prompt_of(tokenizer, "long")) > 600
-    assert json.loads((path / "config.json").read_text()).get("sliding_window", 16) < 600
+    prompt = prompt_of(tokenizer, "long")
+    assert len(prompt) > 600
+    cache = mlx_kvq.make_prompt_cache(model, **default_setting())
+    mx.eval(model(mx.array([prompt]), cache=cache))
+    window = json.loads((path / "config.json").read_text()).get("sliding_window")
+    sizes = [c.size() for c in cache]
+    assert sizes == ([len(prompt)] * 2 if window is None else [window, len(prompt), window])
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -217,7 +224,7 @@ def batch_generate(model, batches: list[list[list[int]]], kv: KVConfig, eos: int
 @pytest.mark.parametrize("setting", ["4bit", "default"])
 def test_batched_quantized_caches_keep_the_script(scripted, setting):
     """Short prompts of different lengths (left-padded together), then a tool
-    result (~600 tokens) and the long prompt (~760) joining the running
+    result (~380 tokens) and the long prompt (~760) joining the running
     batch: every sequence says its own script."""
     _, model, tokenizer = scripted
     groups = [["answer", "reasoning", "loop", "default", "html"], ["tool_result", "long"]]
@@ -238,13 +245,15 @@ LOOP_BREAKS = {  # penalties and biases on the clock's loop (tick 20.5 vs done 2
     "repetition": ({"repetition_penalty": 1.1}, "ticktockdone"),
     "presence": ({"presence_penalty": 1.0}, "ticktockdone"),
     "frequency": ({"frequency_penalty": 0.2}, "ticktock" * 3 + "done"),
-    "bias": ({"logit_bias": "done+1"}, "ticktockdone"),
+    "bias": ({"logit_bias": {"done": 1.0}}, "ticktockdone"),
 }
 
 
 def processors(path, kwargs: dict):
-    if kwargs.get("logit_bias") == "done+1":
-        kwargs = {"logit_bias": {token_id(path, "done"): 1.0}}
+    """mlx-lm's logits processors for `kwargs` (logit_bias keyed by piece)."""
+    if "logit_bias" in kwargs:
+        bias = {token_id(path, piece): b for piece, b in kwargs["logit_bias"].items()}
+        kwargs = {**kwargs, "logit_bias": bias}
     return make_logits_processors(**kwargs)
 
 
