@@ -90,7 +90,8 @@ class QuantSpec:
 class KVConfig:
     """Everything the user asked of the KV cache, in mlx-lm's vocabulary.
 
-    `bits` is `--kv-bits`; `key_bits`/`value_bits` override it per tensor.
+    `bits` is `--kv-bits`; `key_bits`/`value_bits` override it per tensor
+    (None: take `bits`; 0: that tensor unquantized).
     `quantized_start` is `--quantized-kv-start`: caches hold full precision
     until they reach that many tokens, then convert in place.
     """
@@ -123,12 +124,12 @@ class KVConfig:
     @property
     def key_spec(self) -> QuantSpec:
         bits = self.key_bits if self.key_bits is not None else self.bits
-        return QuantSpec(bits, self.group_size, self.rotation if bits else "none")
+        return QuantSpec(bits or None, self.group_size, self.rotation if bits else "none")
 
     @property
     def value_spec(self) -> QuantSpec:
         bits = self.value_bits if self.value_bits is not None else self.bits
-        return QuantSpec(bits, self.group_size, self.rotation if bits else "none")
+        return QuantSpec(bits or None, self.group_size, self.rotation if bits else "none")
 
     @property
     def enabled(self) -> bool:
@@ -146,6 +147,17 @@ class KVConfig:
             text += f", from token {self.quantized_start}"
         return text
 
+    def as_kwargs(self) -> dict:
+        """The setting as the keyword arguments `from_args` (and mlx-lm's
+        generation functions, with ours added) take: its exact inverse."""
+        return {
+            "kv_bits": self.bits, "kv_group_size": self.group_size,
+            "kv_key_bits": self.key_bits, "kv_value_bits": self.value_bits,
+            "kv_rotation": self.rotation, "quantized_kv_start": self.quantized_start,
+            "max_kv_size": self.max_kv_size, "allow_partial_kv": self.allow_partial,
+            "kv_skip_layers": self.skip_layers,
+        }  # fmt: skip
+
     @classmethod
     def from_args(
         cls,
@@ -161,7 +173,7 @@ class KVConfig:
     ) -> KVConfig:
         """Build from mlx-lm style keyword names (the CLI flag names)."""
         return cls(
-            bits=kv_bits,
+            bits=kv_bits or None,
             group_size=kv_group_size,
             key_bits=kv_key_bits,
             value_bits=kv_value_bits,

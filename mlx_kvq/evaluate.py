@@ -14,15 +14,12 @@ next-token distribution is scored:
 - top-1 agreement: how often both runs rank the same token first.
 
 `evaluate` measures one setting; `evaluate_many` measures several against one
-shared unquantized run. `add_eval_args` / `run_eval` are the `mlx-kvq eval`
-subcommand; `python -m mlx_kvq.evaluate` runs it standalone. With no
-`--model`, the embedded demo model and its held-out text are used.
+shared unquantized run (`mlx-kvq eval` is `mlx_kvq/commands/eval.py`). With
+no model given, the embedded demo model and its held-out text are used.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 import time
@@ -34,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 
-from .config import ROTATIONS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVConfig, UnsupportedKVConfig
+from .config import KVConfig
 from .generate import get_plan
 
 DEFAULT_CONTEXT = 512
@@ -267,100 +264,14 @@ def format_table(results: Sequence[dict], labels: Sequence[str] | None = None) -
     return "\n".join([TABLE_HEADER, *rows])
 
 
-# -- command line ----------------------------------------------------------------
-def _bits(text: str) -> int:
-    b = int(text)
-    if b != 0 and b not in SUPPORTED_BITS:
-        raise argparse.ArgumentTypeError(f"bits must be one of {SUPPORTED_BITS} (0: unquantized)")
-    return b
-
-
-def kv_config_from_eval_args(args: argparse.Namespace) -> KVConfig:
-    """The setting to evaluate. With none of the bits flags, the default
-    setting of `mlx_kvq/defaults.py` (as `mlx-kvq serve/generate` use);
-    `--kv-bits 0` evaluates unquantized caches (a null check: KL 0)."""
-    from .defaults import resolve_widths
-
-    bits, key_bits, value_bits, rotation = resolve_widths(
-        args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation
-    )
-    return KVConfig.from_args(
-        kv_bits=bits or None, kv_group_size=args.kv_group_size,
-        kv_key_bits=key_bits or None, kv_value_bits=value_bits or None, kv_rotation=rotation,
-    )  # fmt: skip
-
-
-def add_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of `mlx-kvq eval`."""
-    parser.add_argument(
-        "--model",
-        type=str,
-        default=None,
-        help="model path or repo (default: the embedded demo model)",
-    )
-    parser.add_argument(
-        "--text",
-        type=Path,
-        default=None,
-        help="held-out text file (default: the demo model's held-out text)",
-    )
-    parser.add_argument(
-        "--kv-bits",
-        type=_bits,
-        default=None,
-        help="bits for keys and values (default: the default setting of mlx_kvq/defaults.py; "
-        "0: unquantized)",
-    )
-    parser.add_argument("--kv-key-bits", type=_bits, default=None, help="bits for keys")
-    parser.add_argument("--kv-value-bits", type=_bits, default=None, help="bits for values")
-    parser.add_argument("--kv-group-size", type=int, default=64, choices=SUPPORTED_GROUP_SIZES)
-    parser.add_argument(
-        "--kv-rotation",
-        default=None,
-        choices=ROTATIONS,
-        help="Hadamard-rotate keys and values before quantizing (default: none, or the "
-        "default setting's when no bits are given)",
-    )
-    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per window")
-    parser.add_argument(
-        "--chunk",
-        type=int,
-        default=DEFAULT_CHUNK,
-        help="tokens fed per forward pass (prefill chunk)",
-    )
-    parser.add_argument(
-        "--windows",
-        type=int,
-        default=DEFAULT_WINDOWS,
-        help="windows of --context tokens spread over the text",
-    )
-    parser.add_argument(
-        "--decode",
-        type=int,
-        default=0,
-        help="feed the last N positions of each window one token at a time (decode path)",
-    )
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser  # fmt: skip
-
-
-def _demo_paths() -> tuple[str, Path]:
-    from . import demo
-
-    model = demo.demo_model_path()
-    text = getattr(demo, "heldout_path", None)
-    text = Path(text()) if callable(text) else Path(demo.__file__).parent / "heldout.txt"
-    return str(model), text
-
-
 def load_eval_inputs(model_path: str | None, text_path: Path | None):
     """(model, tokenizer, token ids, bos id or None) for an eval run."""
     from mlx_lm import load
 
     if model_path is None:
-        model_path, default_text = _demo_paths()
-        text_path = text_path or default_text
+        from .demo import demo_model_path, heldout_path
+
+        model_path, text_path = str(demo_model_path()), text_path or heldout_path()
     if text_path is None:
         raise ValueError("--text is required with --model (no held-out text is known for it)")
     model, tokenizer = load(model_path)
@@ -375,44 +286,3 @@ def load_eval_inputs(model_path: str | None, text_path: Path | None):
     if bos is None or not ids or ids[0] != bos:
         bos = None
     return model, tokenizer, ids, bos
-
-
-def run_eval(args: argparse.Namespace) -> int:
-    """`mlx-kvq eval`: print a table (or JSON) for one KV setting."""
-    try:
-        cfg = kv_config_from_eval_args(args)
-        model, _, ids, bos = load_eval_inputs(args.model, args.text)
-        result = evaluate(
-            model, ids, cfg, context=args.context, chunk=args.chunk, windows=args.windows,
-            bos=bos, progress=False if args.no_progress else None,
-            decode=getattr(args, "decode", 0),
-        )  # fmt: skip
-    except (ValueError, UnsupportedKVConfig, FileNotFoundError) as e:
-        print(f"mlx-kvq eval: error: {e}", file=sys.stderr)
-        return 2
-    result["model"] = args.model or "demo"
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(
-            f"model {result['model']}: {result['windows']} windows x {result['context']} tokens, "
-            f"chunks of {result['chunk']}"
-            + (f" then {result['decode']} one-token steps" if result["decode"] else "")
-            + f", {result['tokens_scored']} tokens scored"
-        )
-        print(format_table([result]))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m mlx_kvq.evaluate",
-        description="Perplexity, KL and top-1 agreement of quantized KV caches "
-        "against unquantized ones on a held-out text.",
-    )
-    add_eval_args(parser)
-    return run_eval(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

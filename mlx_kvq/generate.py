@@ -26,16 +26,14 @@ from mlx_lm.models import cache as mlx_cache
 
 from .config import KVConfig, UnsupportedKVConfig
 from .plan import KV_KINDS, KVPlan, plan_kv, twin_slot
+from .speculative import check_speculative_caches, split_caches
 
 # `mlx_lm.generate` the attribute is a function; the module is what we need.
 mlx_generate = importlib.import_module("mlx_lm.generate")
 
 _PLANS: dict[int, dict] = {}
 
-KV_KEYS = (
-    "kv_bits", "kv_group_size", "kv_key_bits", "kv_value_bits", "kv_rotation",
-    "quantized_kv_start", "max_kv_size", "allow_partial_kv", "kv_skip_layers",
-)  # fmt: skip
+KV_KEYS = tuple(KVConfig().as_kwargs())  # the KV keywords our generation functions add
 
 
 def kv_config_from_kwargs(kwargs: dict) -> KVConfig:
@@ -92,7 +90,10 @@ def quantize_prompt_cache(prompt_cache: list, plan: KVPlan) -> list:
     return prompt_cache
 
 
-def _prepare_cache(model: nn.Module, prompt_cache: list | None, cfg: KVConfig) -> list | None:
+def prepare_cache(model: nn.Module, prompt_cache: list | None, cfg: KVConfig) -> list | None:
+    """The caches to generate with: the plan's (or, unquantized, mlx-lm's with
+    `max_kv_size`), or `prompt_cache` quantized in place as planned; None when
+    unquantized with nothing to bound (mlx-lm then makes its own)."""
     if not cfg.enabled:
         if prompt_cache is None and cfg.max_kv_size is not None:
             return mlx_cache.make_prompt_cache(model, max_kv_size=cfg.max_kv_size)
@@ -135,7 +136,7 @@ def generate_step(
         kv_bits, kv_group_size, kv_key_bits, kv_value_bits, kv_rotation,
         quantized_kv_start, max_kv_size,
     )  # fmt: skip
-    prompt_cache = _prepare_cache(model, prompt_cache, cfg)
+    prompt_cache = prepare_cache(model, prompt_cache, cfg)
     yield from mlx_generate.generate_step(
         prompt, model, stream,
         max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
@@ -150,12 +151,16 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
     cfg = kv_config_from_kwargs(kwargs)
     prompt_cache = kwargs.pop("prompt_cache", None)
     if draft_model is None:
-        kwargs["prompt_cache"] = _prepare_cache(model, prompt_cache, cfg)
+        kwargs["prompt_cache"] = prepare_cache(model, prompt_cache, cfg)
         yield from mlx_generate.stream_generate(model, tokenizer, prompt, max_tokens, **kwargs)
         return
-    from .speculative import speculative_caches
-
-    kwargs["prompt_cache"] = speculative_caches(model, draft_model, prompt_cache, cfg)
+    model_cache, draft_cache = split_caches(model, prompt_cache)
+    model_cache = prepare_cache(model, model_cache, cfg) or mlx_cache.make_prompt_cache(model)
+    draft_cache = prepare_cache(draft_model, draft_cache, cfg) or mlx_cache.make_prompt_cache(
+        draft_model
+    )
+    check_speculative_caches(model, draft_model, model_cache, draft_cache)
+    kwargs["prompt_cache"] = list(model_cache) + list(draft_cache)
     yield from mlx_generate.stream_generate(
         model, tokenizer, prompt, max_tokens, draft_model=draft_model, **kwargs
     )
@@ -238,10 +243,20 @@ def _meta_order(key: str):
 def check_prompt_cache_settings(
     cache: list, expect: KVConfig, source: str = "prompt cache"
 ) -> None:
-    """Refuse caches stored with KV settings other than `expect`, layer by layer."""
+    """Refuse caches stored with KV settings other than `expect`, layer by layer
+    (slots `expect` skips must hold unquantized caches, the others quantized;
+    container slots leaf by leaf)."""
     from .caches import KVQCache, leaves, lookup
 
     for i, c in enumerate(cache):
+        if i in expect.skip_layers:
+            if any(isinstance(leaf, KVQCache) for leaf in leaves(c)):
+                raise UnsupportedKVConfig(
+                    f"{source}: layer {i} holds quantized caches, but "
+                    "--kv-skip-layers leaves it unquantized; rebuild the prompt cache with "
+                    "these settings or pass the settings it was made with"
+                )
+            continue
         for leaf in leaves(c):
             kind = lookup(leaf)
             if isinstance(leaf, KVQCache):

@@ -38,6 +38,7 @@ from .caches import (
 )
 from .caches.layer import FIELDS
 from .config import KVConfig, QuantSpec, UnsupportedKVConfig
+from .mlx_lm_internals import model_classes
 
 # Model code that cannot take packed K/V: it calls array methods on the
 # cached tensors (latent attention, sparse indexers) or bypasses mlx-lm's
@@ -449,15 +450,13 @@ def model_type_of(model) -> str:
 
 def model_from_config(config: dict | str | Path) -> nn.Module:
     """Build a model from `config.json` without loading (or materialising) weights."""
-    from mlx_lm.utils import _get_classes
-
     if not isinstance(config, dict):
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
         config = json.loads(path.read_text())
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
-    attention.install()
+    attention.install()  # modules imported just now bind mlx-lm's attention: redirect them
     return model
 
 

@@ -11,14 +11,17 @@ import sys
 
 import pytest
 
-from mlx_kvq.bench import cli, report
+from mlx_kvq.bench import report
+from mlx_kvq.bench import run as bench_run
 from mlx_kvq.bench.settings import SECTIONS, quick
+from mlx_kvq.commands import bench as bench_command
+from mlx_kvq.commands import main
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    rc = cli.main(["--quick", "--out", str(out), "--no-plots"])
+    rc = main(["bench", "--quick", "--out", str(out), "--no-plots"])
     assert rc == 0
     return out, json.loads((out / "bench.json").read_text())
 
@@ -39,7 +42,7 @@ def test_json_has_every_section_and_configuration(quick_run):
     s = quick()
     assert result["settings"]["sections"] == list(SECTIONS)
     assert result["environment"]["mlx"] and result["environment"]["device"]
-    assert result["command"].startswith("python -m mlx_kvq.bench")
+    assert result["command"].startswith("mlx-kvq bench --quick")
     assert result["duration_s"] > 0
 
     att = result["attention"]
@@ -106,7 +109,7 @@ def test_markdown_summary(quick_run):
     for heading in ("# mlx-kvq benchmark", "## Goals", "## Attention alone", "## Model",
                     "## Memory", "## Serving"):  # fmt: skip
         assert heading in md
-    assert "python -m mlx_kvq.bench" in md
+    assert "mlx-kvq bench --quick" in md
     # every table row has as many cells as its header
     lines = md.splitlines()
     for i, line in enumerate(lines):
@@ -152,11 +155,11 @@ def test_module_entry_point_and_bad_section(tmp_path):
 
 
 def test_cli_subcommand_wiring():
-    from mlx_kvq.cli import build_parser
+    from mlx_kvq.commands import build_parser
 
     args = build_parser().parse_args(["bench", "--quick", "--sections", "memory"])
-    assert args.func is cli.run_bench
-    assert cli.settings_from_args(args).sections == ("memory",)
+    assert args.run is bench_command.run
+    assert bench_command.settings_from_args(args).sections == ("memory",)
 
 
 # -- the CPU fast paths of quantized attention that the benchmark measures -----
@@ -254,7 +257,7 @@ def test_a_section_the_backend_cannot_run_is_reported_not_fatal(tmp_path, monkey
     monkeypatch.setattr(model_bench, "count_params", lambda model: 1)
     monkeypatch.setattr(memory_bench, "run", memory_fails)
     settings = replace(quick(), sections=("model", "memory"), contexts=(48,))
-    rc = cli.run(settings, tmp_path, plots=False, log=lambda *a: None)
+    rc = bench_run.run(settings, tmp_path, plots=False, log=lambda *a: None)
     assert rc == 1
     result = json.loads((tmp_path / "bench.json").read_text())
     model = result["model"]

@@ -55,7 +55,7 @@ def single_process(model, capsys) -> tuple[str, list[int]]:
     from mlx_lm import load
 
     from mlx_kvq.caches import cache_report
-    from mlx_kvq.cli import main
+    from mlx_kvq.commands import main
     from mlx_kvq.config import KVConfig
     from mlx_kvq.generate import stream_generate
     from mlx_kvq.plan import plan_kv
@@ -153,7 +153,7 @@ def test_two_ranks_match_single_process(launched, capsys, run, name, mode):
 def _errors(stderr: str, rank: int, marker: str) -> list[str]:
     return [
         line for line in stderr.split("\n")
-        if line.startswith(f"mlx-kvq: error: rank {rank}: ") and marker in line
+        if line.startswith(f"mlx-kvq generate: error: rank {rank}: ") and marker in line
     ]  # fmt: skip
 
 

@@ -9,8 +9,9 @@ from kvq_testing.distributed import tiny_model
 
 from mlx_kvq.caches import KVQFullCache
 from mlx_kvq.config import KVConfig, QuantSpec, UnsupportedKVConfig
-from mlx_kvq.distributed.engine import GroupReadiness
+from mlx_kvq.distributed.coordinator import GroupCoordinator
 from mlx_kvq.distributed.group import exchange, gather_json
+from mlx_kvq.distributed.heartbeat import RankLoss
 from mlx_kvq.distributed.loading import (
     KV_HEADS,
     PIPELINE,
@@ -26,6 +27,7 @@ from mlx_kvq.distributed.planning import (
     local_config,
     ranks_table,
 )
+from mlx_kvq.engine import StepCommands, StopNotice, WarmupVerdict
 from mlx_kvq.quant import Store
 
 
@@ -39,15 +41,88 @@ def test_skip_layers_name_model_layers_and_each_pipeline_rank_maps_its_own():
     assert local_config(kv, every) is kv
 
 
-def test_readiness_holds_ready_until_the_group_passed_but_shows_failure_at_once():
-    r = GroupReadiness()
-    r.set_ready({"batch": {}})
-    assert r.get().status == "warming_up" and not r.ready_event.is_set()
-    r.release({"batch": {}, "ranks": []})
-    assert r.ready and r.get().report["ranks"] == []
-    r = GroupReadiness()
-    r.set_failed("rank 1 of 2 is lost")
-    assert r.get().status == "failed" and r.ready_event.is_set()
+class FakeHeartbeat:
+    """What the coordinator uses of a heartbeat, recorded."""
+
+    def __init__(self):
+        self.on_lost = None
+        self.progress = self.step_timeout = None
+        self.fatal: list[str] = []
+        self.closing = False
+
+    def set_on_lost(self, callback):
+        self.on_lost = callback
+
+    def report_fatal(self, reason):
+        self.fatal.append(reason)
+
+    def stopping(self):
+        self.closing = True
+
+    def up(self, rank):
+        return True
+
+
+class FakeEngine:
+    alive = True
+
+    def __init__(self):
+        self.failed: list[str] = []
+
+    def fail(self, reason):
+        self.failed.append(reason)
+
+
+def coordinator():
+    hb = FakeHeartbeat()
+    infos = [{"rank": 0, "mode": "tensor", "layers": "0-3", "kv_heads": [2], "bytes_per_token": 96}]
+    c = GroupCoordinator(hb, infos, step_timeout=5.0)
+    engine = FakeEngine()
+    c.bind(engine)
+    return c, hb, engine
+
+
+def test_group_warmup_is_ready_only_when_every_rank_passed():
+    c, hb, _ = coordinator()
+    assert hb.on_lost == c.on_rank_lost and hb.progress == c.busy_seconds
+    batch = {"full": {"slots": 2, "quantized": 2, "max_tokens": 9, "nbytes": 300}}
+    verdict = c.agree_warmup(WarmupVerdict(True, report={"batch": batch}))
+    assert verdict.ok and verdict.report["ranks"][0]["kv_bytes"] == 300
+    assert verdict.report["ranks"][0]["layers"] == "0-3"
+    failed = c.agree_warmup(WarmupVerdict(False, error="2 of 2 full caches were not quantized"))
+    assert not failed.ok and failed.error == (
+        "warm-up failed on rank 0: 2 of 2 full caches were not quantized"
+    )
+
+
+def test_a_lost_rank_fails_the_engine_at_once_with_the_reason():
+    c, hb, engine = coordinator()
+    c.on_rank_lost(RankLoss(1, "its process exited or was killed"))
+    assert engine.failed == [
+        "rank 1 of 1 is lost: its process exited or was killed; the group cannot serve "
+        "until all ranks are restarted"
+    ]
+    assert hb.fatal == engine.failed
+    # the engine thread's own error afterwards reports the group's reason, not its own
+    assert c.stopping(StopNotice("engine failed: RuntimeError: peer lost")) == engine.failed[0]
+    c.on_rank_lost(RankLoss(None, "stuck"))  # once failed, later losses change nothing
+    assert len(engine.failed) == 1
+
+
+def test_a_rank_that_reported_its_failure_is_named_with_its_reason():
+    c, _, engine = coordinator()
+    c.on_rank_lost(RankLoss(1, "rank 1: warm-up failed: boom", reported=True))
+    assert engine.failed[0].startswith("rank 1 of 1 failed (rank 1: warm-up failed: boom)")
+
+
+def test_single_rank_step_passes_the_leaders_commands_through():
+    c, hb, _ = coordinator()
+    from mlx_kvq.engine import RankStatus
+
+    cmds = StepCommands(cancels=frozenset({3}))
+    assert c.step(cmds, RankStatus(kv_bytes=7)) == cmds and c.rank_kv == [7]
+    assert c.step(StepCommands(stop=True), RankStatus()).stop
+    assert c.stopped_normally and hb.closing
 
 
 def test_single_process_collectives_are_the_identity():

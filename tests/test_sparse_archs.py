@@ -207,6 +207,7 @@ def test_the_engine_warms_up_and_serves(name, tmp_path):
     from kvq_testing.tiny import save_tiny_model
     from mlx_lm import load
 
+    from mlx_kvq.commands.serve import engine_options
     from mlx_kvq.engine import (
         Engine,
         FinishEvent,
@@ -215,12 +216,11 @@ def test_the_engine_warms_up_and_serves(name, tmp_path):
         TokenEvent,
         check_batch_path,
     )
-    from mlx_kvq.server.main import engine_options
 
     model, tokenizer = load(str(save_tiny_model(tmp_path / "m", name)))
     kv = KVConfig(bits=4)
     plan = plan_kv(model, kv, batch=True)
-    check_batch_path(plan.make_cache, cache_report, kv, plan.max_batch)
+    check_batch_path(plan.make_cache, kv, max_batch=plan.max_batch)
     flags = types.SimpleNamespace(
         decode_concurrency=8, prompt_concurrency=4, prefill_step_size=2048,
         prompt_cache_size=4, prompt_cache_bytes=None,

@@ -7,17 +7,17 @@ from __future__ import annotations
 import copy
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache
 
 from ..config import QuantSpec
-from ..quant import QuantizedKV, Store
+from ..mlx_lm_internals import BaseCache
+from ..quant import Store
 
 # Ways a cache can hand K/V to the model.
 PACKED = "packed"  # QuantizedKV objects, for attention that takes them
 DEQUANTIZED = "dequantized"  # plain arrays, for model code that needs arrays
 
 
-class KVQCache(_BaseCache):
+class KVQCache(BaseCache):
     """Base of the quantized caches: keys and values are `Store`s.
 
     Caches start raw and convert to quantized storage at the first update
@@ -208,7 +208,3 @@ class KVQCache(_BaseCache):
     def keys_and_values(self):
         """Current K/V in the form attention receives (gemma3n shared layers)."""
         raise NotImplementedError
-
-
-def is_quantized_kv(x) -> bool:
-    return isinstance(x, QuantizedKV)

@@ -30,9 +30,9 @@ from __future__ import annotations
 import copy
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache
 
 from ..config import QuantSpec
+from ..mlx_lm_internals import BaseCache
 from ..quant import Store
 from .base import DEQUANTIZED, KVQCache
 
@@ -189,7 +189,7 @@ class _Field:
         obj._assign(self.name, value)
 
 
-class KVQLayerCache(_BaseCache):
+class KVQLayerCache(BaseCache):
     """The quantized twin of deepseek_v41's `LayerCache`; see the module docstring."""
 
     window = _Field()

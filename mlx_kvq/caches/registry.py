@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from ..config import QuantSpec
+from ..mlx_lm_internals import batch_cursor
 from ..quant import Store
 from .base import PACKED, KVQCache
 from .chunked import KVQChunkedCache
@@ -36,7 +37,6 @@ class CacheKind:
     name: str
     convert: Converter | None
     window: Callable[[object], int | None] = lambda c: None
-    description: str = ""
     one_sequence: bool = False  # its batch form holds one sequence
 
 
@@ -48,11 +48,12 @@ def _own(x):
 
 def _batch_full(c: mlx_cache.BatchKVCache, k: QuantSpec, v: QuantSpec, start: int, hand_out: str):
     q = KVQBatchFullCache(c.left_padding.tolist(), k, v, start, hand_out)
-    q.offset, q.left_padding, q._idx = _own(c.offset), _own(c.left_padding), c._idx
-    q._right_padding = _own(getattr(c, "_right_padding", None))  # prepare() .. finalize()
+    cursor = batch_cursor(c)
+    q.offset, q.left_padding, q._idx = _own(c.offset), _own(c.left_padding), cursor.idx
+    q._right_padding = _own(cursor.right_padding)  # prepare() .. finalize()
     if c.keys is not None:
         q.dtype = c.keys.dtype
-        specs = (k, v) if c._idx >= start else q._storage_specs()
+        specs = (k, v) if cursor.idx >= start else q._storage_specs()
         q.keys = Store.encode(_own(c.keys), specs[0])
         q.values = Store.encode(_own(c.values), specs[1])
     return q
@@ -63,15 +64,12 @@ def _batch_window(
 ):
     q = KVQBatchWindowCache(c.max_size, c.left_padding.tolist(), k, v, start, hand_out)
     q.offset, q.left_padding = _own(c.offset), _own(c.left_padding)
-    q._idx, q._offset, q.rotated, q._lengths = (
-        c._idx,
-        c._offset,
-        c.rotated,
-        _own(getattr(c, "_lengths", None)),
-    )
+    cursor = batch_cursor(c)
+    q._idx, q._offset, q.rotated = cursor.idx, cursor.offset, c.rotated
+    q._lengths = _own(cursor.lengths)
     if c.keys is not None:
         q.dtype = c.keys.dtype
-        specs = (k, v) if c._offset >= start else q._storage_specs()
+        specs = (k, v) if cursor.offset >= start else q._storage_specs()
         q.keys = Store.encode(_own(c.keys), specs[0])
         q.values = Store.encode(_own(c.values), specs[1])
     return q
@@ -82,42 +80,36 @@ def _same(c, *_):
 
 
 REGISTRY: dict[type, CacheKind] = {
-    mlx_cache.KVCache: CacheKind("full", KVQFullCache.from_cache, description="full attention"),
-    mlx_cache.ConcatenateKVCache: CacheKind(
-        "full", KVQFullCache.from_cache, description="full attention (concatenating)"
-    ),
+    mlx_cache.KVCache: CacheKind("full", KVQFullCache.from_cache),
+    mlx_cache.ConcatenateKVCache: CacheKind("full", KVQFullCache.from_cache),
     mlx_cache.RotatingKVCache: CacheKind(
-        "sliding", KVQWindowCache.from_cache, lambda c: c.max_size, "sliding window"
+        "sliding", KVQWindowCache.from_cache, lambda c: c.max_size
     ),
     mlx_cache.ChunkedKVCache: CacheKind(
-        "chunked", KVQChunkedCache.from_cache, lambda c: c.chunk_size, "chunked attention"
+        "chunked", KVQChunkedCache.from_cache, lambda c: c.chunk_size
     ),
-    mlx_cache.BatchKVCache: CacheKind("full", _batch_full, description="full attention, batch"),
-    mlx_cache.BatchRotatingKVCache: CacheKind(
-        "sliding", _batch_window, lambda c: c.max_size, "sliding window, batch"
-    ),
-    mlx_cache.ArraysCache: CacheKind("state", None, description="recurrent state, not a KV cache"),
+    mlx_cache.BatchKVCache: CacheKind("full", _batch_full),
+    mlx_cache.BatchRotatingKVCache: CacheKind("sliding", _batch_window, lambda c: c.max_size),
+    mlx_cache.ArraysCache: CacheKind("state", None),
     KVQFullCache: CacheKind("full", _same),
     KVQWindowCache: CacheKind("sliding", _same, lambda c: c.max_size),
     KVQChunkedCache: CacheKind("chunked", _same, lambda c: c.chunk_size),
     KVQBatchFullCache: CacheKind("full", _same),
     KVQBatchWindowCache: CacheKind("sliding", _same, lambda c: c.max_size),
-    KVQIndexerCache: CacheKind("indexer", _same, description="sparse-attention index keys"),
-    KVQBatchIndexerCache: CacheKind("indexer", _same, description="index keys, batch"),
-    KVQWindowRows: CacheKind("sliding", _same, lambda c: c.max_rows, "LayerCache window"),
-    KVQCompressedRows: CacheKind("compressed", _same, description="LayerCache compressed KV"),
-    KVQIndexRows: CacheKind("indexer", _same, description="LayerCache index keys"),
-    PendingRows: CacheKind("state", None, description="LayerCache open compression group"),
-    KVQLayerCache: CacheKind(
-        "layer", _same, lambda c: c.window_size, "deepseek_v41 layer cache", one_sequence=True
-    ),
+    KVQIndexerCache: CacheKind("indexer", _same),
+    KVQBatchIndexerCache: CacheKind("indexer", _same),
+    KVQWindowRows: CacheKind("sliding", _same, lambda c: c.max_rows),
+    KVQCompressedRows: CacheKind("compressed", _same),
+    KVQIndexRows: CacheKind("indexer", _same),
+    PendingRows: CacheKind("state", None),
+    KVQLayerCache: CacheKind("layer", _same, lambda c: c.window_size, one_sequence=True),
 }
 
 # Model-specific cache classes, declared by qualified name (no model module is
 # imported for this). Their fields are planned one by one (see plan.py).
 BY_NAME: dict[str, CacheKind] = {
     "mlx_lm.models.deepseek_v41.LayerCache": CacheKind(
-        "layer", None, lambda c: c.window_size, "deepseek_v41 layer cache", one_sequence=True
+        "layer", None, lambda c: c.window_size, one_sequence=True
     ),
 }
 
@@ -182,7 +174,3 @@ def register_for_prompt_files() -> None:
         KVQLayerCache,
     ):
         setattr(mlx_cache, cls.__name__, cls)
-
-
-def dtype_bytes(dtype: mx.Dtype) -> int:
-    return dtype.size

@@ -13,6 +13,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import RotatingKVCache
 
 from ..config import QuantSpec
+from ..mlx_lm_internals import ring_index
 from ..quant import Store, dynamic_roll
 from .base import PACKED, KVQCache
 from .batch import BatchKVQCache, merge_stores
@@ -185,7 +186,7 @@ class KVQWindowCache(KVQCache):
         q = cls(cache.max_size, key_spec, value_spec, cache.keep, start, hand_out)
         if cache.keys is not None:
             q.dtype = cache.keys.dtype
-            q.offset, q._idx = 0, cache._idx
+            q.offset, q._idx = 0, ring_index(cache)
             kspec, vspec = q._storage_specs() if cache.offset < start else (key_spec, value_spec)
             # Copies: raw storage must not alias the original's ring, which
             # both caches write in place.

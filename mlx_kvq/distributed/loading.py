@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -42,14 +42,6 @@ class Shard:
     def layers(self) -> str:
         last = self.first_layer + self.num_layers - 1
         return str(self.first_layer) if last == self.first_layer else f"{self.first_layer}-{last}"
-
-    def describe(self) -> str:
-        if self.mode == PIPELINE:
-            return f"rank {self.rank}/{self.size}: layers {self.layers} of {self.total_layers}"
-        return f"rank {self.rank}/{self.size}: 1/{self.size} of the heads of all {self.total_layers} layers"
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "layers": self.layers}
 
 
 def load_sharded(
@@ -182,9 +174,11 @@ def replicate_kv_heads(model, ranks: int) -> list[int]:
 def load_replicated(path: str, group, tokenizer_config: dict, trust_remote_code: bool):
     """mlx-lm's tensor-parallel `sharded_load`, with the KV heads replicated
     (`replicate_kv_heads`) between loading the weights and `shard()`."""
-    from mlx_lm.utils import _download, load_model, load_tokenizer
+    from mlx_lm.utils import load_model, load_tokenizer
 
-    model_path = _download(path)
+    from ..mlx_lm_internals import local_model
+
+    model_path = local_model(path)
     model, config = load_model(
         model_path, lazy=True, strict=False, trust_remote_code=trust_remote_code
     )

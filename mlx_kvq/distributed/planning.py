@@ -15,6 +15,7 @@ from typing import Any
 
 from ..caches import cache_report
 from ..config import KVConfig, UnsupportedKVConfig
+from ..mlx_lm_internals import local_model
 from ..plan import KVPlan, model_from_config, model_type_of, plan_kv
 from .group import gather_json, world
 from .loading import (
@@ -34,9 +35,7 @@ from .loading import (
 def config_path(path: str | Path) -> Path:
     """The local model directory holding config.json (mlx-lm downloads the
     json files of a Hugging Face repo first, as `sharded_load` does)."""
-    from mlx_lm.utils import _download
-
-    return _download(str(path), allow_patterns=["*.json", "*.py"])
+    return local_model(str(path), allow_patterns=["*.json", "*.py"])
 
 
 def check_sharding(path: str | Path, pipeline: bool, group=None) -> TensorLayout | None:

@@ -288,7 +288,7 @@ def _fail_plan_on(rank: int):
 
 
 def main(argv: list[str]) -> int:
-    from mlx_kvq.cli import main as cli_main
+    from mlx_kvq.commands import main as cli_main
     from mlx_kvq.distributed import world
 
     runs, current = [], []
