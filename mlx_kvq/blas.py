@@ -74,7 +74,7 @@ class BlasInfo:
 
     @property
     def fast(self) -> bool:
-        return self.kind in (BlasKind.OPENBLAS, BlasKind.MKL, BlasKind.BLIS, BlasKind.ACCELERATE)
+        return self.kind in _FAST
 
     def summary(self) -> str:
         """One line for logs, `/health` and bench headers."""
@@ -414,6 +414,25 @@ def blas_info() -> BlasInfo:
         return BlasInfo(kind, library, symbol, BlasBinding.LINKED, reason, config, threads)
     reason = str(_state.get("why_rebound", "rebound"))
     return BlasInfo(kind, library, symbol, BlasBinding.REBOUND, reason, config, threads)
+
+
+_FAST = (BlasKind.OPENBLAS, BlasKind.MKL, BlasKind.BLIS, BlasKind.ACCELERATE)
+_kinds: dict[int, BlasKind] = {}
+
+
+def fast_float32_products() -> bool:
+    """Whether MLX's float32 products run on a fast BLAS now. Cheap (one
+    slot read once the library at that address is known): attention asks
+    it per call to choose its product dtype."""
+    slots = _find_slots()
+    if isinstance(slots, str):
+        address = _libc.dlsym(None, b"cblas_sgemm") or 0
+    else:
+        address = slots.current()
+    if address not in _kinds:
+        _kinds[address] = _describe(_where(address)[0])[0]
+    kind = _kinds[address]
+    return kind in _FAST or (kind is BlasKind.UNKNOWN and sys.platform == "darwin")
 
 
 def enable_fast_blas() -> BlasInfo:

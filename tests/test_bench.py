@@ -165,7 +165,7 @@ def test_cli_subcommand_wiring():
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "per_head", "batched", "sinks"])
 def test_attention_fast_paths_match_reference(monkeypatch, split, L, mask_kind):
     """Per-(sequence, KV head) split on sliced cache views, the dense
-    dequantized-key-block scores (several key blocks) and the quantized_matmul
+    dequantized-block products (several key blocks) and the quantized_matmul
     path all equal mx.fast attention on the dequantized K/V."""
     import mlx.core as mx
     import numpy as np
@@ -176,7 +176,7 @@ def test_attention_fast_paths_match_reference(monkeypatch, split, L, mask_kind):
     from mlx_kvq.quant import Store
 
     monkeypatch.setattr(attention, "_SPLIT_MIN_TOKENS", 0 if split else 1 << 30)
-    monkeypatch.setattr(attention, "_KEY_BLOCK", 64)  # several key blocks
+    monkeypatch.setattr(attention, "_key_block", lambda rows, tokens, dim: 64)  # several blocks
     rng = np.random.default_rng(L)
     B = 2 if mask_kind == "batched" else 1
     n_q, n_kv, D, S, buf = 8, 2, 64, 150, 256
@@ -203,14 +203,19 @@ def test_attention_fast_paths_match_reference(monkeypatch, split, L, mask_kind):
     assert mx.allclose(out, ref, atol=1e-4, rtol=1e-4).item()
 
 
+@pytest.mark.parametrize("blas", ["fast", "linked"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_attention_fast_paths_half_precision(monkeypatch, dtype):
-    """Half-precision models: bfloat16 prefill scores multiply in bfloat16,
-    float16 in float32; both stay close to the float32 computation."""
+def test_attention_fast_paths_half_precision(monkeypatch, dtype, blas):
+    """Half-precision models: prefill products run in float32 on a fast BLAS;
+    on the reference BLAS bfloat16 models multiply in bfloat16 (MLX's own
+    product, then the faster); all stay close to the float32 computation."""
+    import contextlib
+
     import mlx.core as mx
     import numpy as np
 
     from mlx_kvq import attention
+    from mlx_kvq.blas import use_linked_blas
     from mlx_kvq.config import QuantSpec
     from mlx_kvq.quant import Store
 
@@ -220,7 +225,12 @@ def test_attention_fast_paths_half_precision(monkeypatch, dtype):
     k = mx.array(rng.standard_normal((1, 2, 200, 64)).astype(np.float32))
     kq = Store.encode(k, QuantSpec(4)).fetch()
     exact = attention.quantized_attention(q, kq, kq, 0.125, "causal")
-    half = attention.quantized_attention(q.astype(getattr(mx, dtype)), kq, kq, 0.125, "causal")
+    with use_linked_blas() if blas == "linked" else contextlib.nullcontext():
+        if sys.platform.startswith("linux"):
+            linked_bf16 = blas == "linked" and dtype == "bfloat16"
+            want = mx.bfloat16 if linked_bf16 else mx.float32
+            assert attention._dense_dtype(getattr(mx, dtype)) == want
+        half = attention.quantized_attention(q.astype(getattr(mx, dtype)), kq, kq, 0.125, "causal")
     assert half.dtype == getattr(mx, dtype)
     assert mx.max(mx.abs(half.astype(mx.float32) - exact)).item() < 0.05
 
