@@ -26,6 +26,7 @@ import mlx_lm.models
 import mlx_lm.models.base as mlx_base
 
 from .blas import fast_float32_products
+from .kernels import native_status, packed_scores, packed_weighted
 from .quant import QuantizedKV, rotate
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
@@ -71,6 +72,14 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu or not mx.metal.is_available()
 
 
+def _native() -> bool:
+    """Few-row products on the CPU use the native fused kernels when they
+    are built for this MLX (`mlx_kvq.kernels`): they read packed K/V once,
+    5-10x faster than MLX's CPU `quantized_matmul`, and take the caches'
+    strided views without copying them."""
+    return _on_cpu() and native_status().available
+
+
 def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
     """The dtype quantized attention computes in on the current backend."""
     if _on_cpu():
@@ -98,6 +107,8 @@ def _scores(q: mx.array, k, dtype: mx.Dtype, dense: mx.Dtype | None = None) -> m
     if isinstance(k, QuantizedKV):
         if dense is not None:
             return _dense_scores(q, k, dtype, dense, _key_block(q.shape[-2], *k.shape[-2:]))
+        if _native():
+            return packed_scores(q, k).astype(dtype)
         return mx.quantized_matmul(
             q, k.data, k.scales.astype(dtype), k.biases.astype(dtype),
             transpose=True, group_size=k.group_size, bits=k.bits,
@@ -146,6 +157,8 @@ def _weighted(p: mx.array, v, dtype: mx.Dtype, dense: mx.Dtype | None = None) ->
     if isinstance(v, QuantizedKV):
         if dense is not None:
             return _dense_weighted(p, v, dtype, dense, _key_block(p.shape[-2], *v.shape[-2:]))
+        if _native():
+            return packed_weighted(p, v).astype(dtype)
         return mx.quantized_matmul(
             p, v.data, v.scales.astype(dtype), v.biases.astype(dtype),
             transpose=False, group_size=v.group_size, bits=v.bits,
@@ -220,7 +233,8 @@ def _attend(q, k, v, mask, sinks, dtype, shape, dense):
     """`_attend_rows`, split per (sequence, KV head) on the CPU (see _SPLIT_LIMIT)."""
     B, n_kv, n_rep, L = shape
     few = 1 < B * n_kv <= _SPLIT_LIMIT
-    if not few or k.shape[2] < _SPLIT_MIN_TOKENS or not _on_cpu():
+    native_rows = n_rep * L < _DEQUANT_ROWS and _native()  # reads the views in place
+    if not few or k.shape[2] < _SPLIT_MIN_TOKENS or not _on_cpu() or native_rows:
         return _attend_rows(q, k, v, mask, sinks, dtype, shape, dense)
     if sinks is not None:
         sinks = sinks.reshape(n_kv, n_rep)
