@@ -51,9 +51,14 @@ def test_json_has_every_section_and_configuration(quick_run):
         assert row["max_abs_error"]["ours"] < 0.5
 
     rows = result["model"]["rows"]
-    assert [(r["dtype"], r["context"]) for r in rows] == [
-        (d, c) for d in s.dtypes for c in s.contexts
-    ]
+    # float32 ends with its labelled rows on MLX's linked reference BLAS
+    assert [(r["dtype"], r["context"], r["reference_blas"]) for r in rows] == [
+        (d, c, False) for d in s.dtypes for c in s.contexts
+    ] + [("float32", c, True) for c in s.reference_blas_contexts]
+    if sys.platform.startswith("linux"):
+        assert result["environment"]["blas"]["kind"] == "OpenBLAS"
+        assert {r["blas"] for r in rows if not r["reference_blas"]} == {"OpenBLAS"}
+        assert {r["blas"] for r in rows if r["reference_blas"]} == {"reference BLAS"}
     for r in rows:
         for what in ("decode_tps", "prefill_tps"):
             assert set(r[what]) == {"unquantized", "8-bit", "4-bit"}
@@ -75,6 +80,7 @@ def test_json_has_every_section_and_configuration(quick_run):
     assert all(v["median"] == 1.0 for v in first["scaling"].values())
     names = [g["goal"] for g in result["goals"]]
     assert any(n.startswith("serving 4-bit: 2 streams vs 1") for n in names)
+    assert len(names) == len(set(names))  # the reference-BLAS rows set no goal
 
 
 def test_memory_matches_theory_per_held_slot(quick_run):
@@ -107,6 +113,7 @@ def test_markdown_summary(quick_run):
                     "## Memory", "## Serving"):  # fmt: skip
         assert heading in md
     assert "python -m mlx_kvq.bench" in md
+    assert "- BLAS (both arms): " in md and "(both arms, for comparison)" in md
     # every table row has as many cells as its header
     lines = md.splitlines()
     for i, line in enumerate(lines):
@@ -263,7 +270,9 @@ def test_a_section_the_backend_cannot_run_is_reported_not_fatal(tmp_path, monkey
     monkeypatch.setattr(model_bench, "build_model", build)
     monkeypatch.setattr(model_bench, "count_params", lambda model: 1)
     monkeypatch.setattr(memory_bench, "run", memory_fails)
-    settings = replace(quick(), sections=("model", "memory"), contexts=(48,))
+    settings = replace(
+        quick(), sections=("model", "memory"), contexts=(48,), reference_blas_contexts=()
+    )
     rc = cli.run(settings, tmp_path, plots=False, log=lambda *a: None)
     assert rc == 1
     result = json.loads((tmp_path / "bench.json").read_text())

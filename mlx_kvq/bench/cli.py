@@ -88,6 +88,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--serving-repeats", type=int, default=None, help="rounds per stream count (default 3)"
     )
     p.add_argument("--prefill-chunk", type=int, default=None, help="default 128")
+    p.add_argument(
+        "--reference-blas-contexts",
+        type=_ints,
+        default=None,
+        help="model contexts also measured on MLX's linked reference BLAS, float32, "
+        "both arms, labelled (default 4096; an empty string for none)",
+    )
     p.add_argument("--memory-context", type=int, default=None, help="default 16384")
     p.add_argument(
         "--memory-dtype", default=None, help="model dtype of the memory and serving sections"
@@ -116,6 +123,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         "memory_context": args.memory_context, "memory_dtype": args.memory_dtype, "streams": args.streams,
         "mlx_lm_max_call_s": args.mlx_lm_max_call_s, "seed": args.seed,
         "serving_repeats": args.serving_repeats,
+        "reference_blas_contexts": args.reference_blas_contexts,
     }  # fmt: skip
     s = replace(s, **{k: v for k, v in changes.items() if v is not None})
     if args.model_config:
@@ -138,7 +146,13 @@ def environment() -> dict:
     import mlx.core as mx
     import mlx_lm
 
+    from ..blas import blas_info
+    from ..kernels import native_status
+
     return {
+        "blas": blas_info().to_dict(),
+        "blas_summary": blas_info().summary(),
+        "native_kernels": native_status().summary(),
         "device": str(mx.default_device()),
         "metal_available": bool(mx.metal.is_available()),
         "mlx": mx.__version__,
