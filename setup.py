@@ -49,12 +49,14 @@ class OptionalNative(build_ext):
         ]
         ext.library_dirs.append(str(root / "lib"))
         ext.libraries.append("mlx")
-        ext.define_macros += [("NB_DOMAIN", "mlx"), ("NDEBUG", "1")]
+        ext.define_macros.append(("NB_DOMAIN", "mlx"))
         if Path(mlx.core.__file__).name.endswith(".abi3.so"):
             # mlx.core uses the stable ABI: nanobind's types are shared only
             # between modules built alike
             ext.define_macros.append(("Py_LIMITED_API", "0x030C0000"))
-        ext.extra_compile_args += ["-std=c++20", "-O3", "-fvisibility=hidden", "-Wno-psabi"]
+        ext.extra_compile_args += [
+            "-std=c++20", "-O3", "-fvisibility=hidden", "-fno-strict-aliasing", "-Wno-psabi",
+        ]  # fmt: skip
 
 
 def _extensions() -> list[Extension]:

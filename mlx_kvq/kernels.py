@@ -8,7 +8,8 @@ re-reads the packed matrix for every row). They are used only on the CPU, only
 when the module was built against the running MLX version (MLX's C++ API has
 no stable ABI) and only after a self-check against `mx.dequantize` passed;
 otherwise attention keeps MLX's operations, and `native_status()` says why.
-`MLX_KVQ_NATIVE=0` turns them off.
+`MLX_KVQ_NATIVE=0` turns them off; `MLX_KVQ_NATIVE_THREADS` caps the threads
+one call uses (default: one per core; small calls run on one).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -126,11 +127,21 @@ const float* rows_of(const mx::array& a, int b, int h, std::vector<float>& scrat
   return scratch.data();
 }
 
+// Threads per call: MLX_KVQ_NATIVE_THREADS, else one per core.
+int max_threads() {
+  static const int n = [] {
+    const char* env = std::getenv("MLX_KVQ_NATIVE_THREADS");
+    int v = env ? std::atoi(env) : 0;
+    return v > 0 ? v : int(std::max(1u, std::thread::hardware_concurrency()));
+  }();
+  return n;
+}
+
 template <typename F>
 void parallel_for(int n, int64_t work, F&& f) {
-  // One thread per core for large calls; small ones (most decode steps over
+  // Large calls are split over threads; small ones (most decode steps over
   // short caches) run inline, where starting threads would cost more.
-  int cores = std::max(1u, std::thread::hardware_concurrency());
+  int cores = max_threads();
   int threads = int(std::min<int64_t>({int64_t(cores), int64_t(n), work / (1 << 18) + 1}));
   if (threads <= 1) {
     for (int i = 0; i < n; ++i) f(i);
@@ -217,7 +228,7 @@ void run(Kind kind, const std::vector<mx::array>& in, mx::array& out, int gs) {
   int64_t w_row = lw.s2 * 4;  // bytes per token row
 
   // Split tokens into chunks so a single (b, h) still uses every core.
-  int cores = std::max(1u, std::thread::hardware_concurrency());
+  int cores = max_threads();
   int chunks = std::max(1, std::min(cores, N / 512));
   int tasks = B * H * chunks;
   // Weighted: each chunk accumulates into its own partial sums.
