@@ -154,6 +154,10 @@ def _spread(d: dict, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
     return f"{med} (n=1)"
 
 
+def _loads(x) -> str:
+    return "/".join(f"{v:.1f}" for v in x) if x else "-"
+
+
 def _x(r) -> str:
     """A ratio: a number, or a Stat dict (median and min-max over rounds)."""
     if isinstance(r, dict):
@@ -173,8 +177,11 @@ def markdown(result: dict) -> str:
         f"- backend: {env['device']} (Metal available: {env['metal_available']}); "
         f"mlx {env['mlx']}, mlx-lm {env['mlx_lm']}, {env['platform']}, {env['cpus']} CPUs",
         f"- BLAS (both arms): {env.get('blas_summary', 'not recorded')}; "
-        f"{env.get('native_kernels', 'native kernels not recorded')}",
-        f"- started {env['started']}, took {result['duration_s']:.0f} s",
+        f"{env.get('native_kernels', 'native kernels not recorded')} "
+        f"(threads per call: {env.get('native_threads', '-')})",
+        f"- started {env['started']}, took {result['duration_s']:.0f} s; load average "
+        f"(1/5/15 min) {_loads(env.get('load_average'))} at the start, "
+        f"{_loads(result.get('load_average_end'))} at the end",
         "- figures are medians of repeated runs, min-max in parentheses; the candidates of "
         "a comparison run in the same rounds (A B C, then C B A), and a ratio is the median "
         "of the per-round ratios (min-max over rounds in parentheses; above 1 means the "
