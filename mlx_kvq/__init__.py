@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
         save_prompt_cache,
         stream_generate,
     )
+    from .kernels import native_status
     from .plan import KVPlan, plan_kv
 
 # Public name -> submodule defining it, imported on first access.
@@ -43,6 +44,7 @@ _LAZY = {
     "load_prompt_cache": "generate",
     "plan_kv": "plan",
     "KVPlan": "plan",
+    "native_status": "kernels",
 }
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "QuantSpec",
     "UnsupportedKVConfig",
     "blas_info",
+    "native_status",
     "generate",
     "generate_step",
     "load_prompt_cache",

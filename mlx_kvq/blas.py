@@ -51,6 +51,9 @@ class BlasKind(enum.Enum):
     UNKNOWN = "unknown"
 
 
+_FAST = (BlasKind.OPENBLAS, BlasKind.MKL, BlasKind.BLIS, BlasKind.ACCELERATE)
+
+
 class BlasBinding(enum.Enum):
     LINKED = "as linked"  # what the loader bound when mlx.core was imported
     REBOUND = "rebound by mlx-kvq"
@@ -278,6 +281,8 @@ def _libmlx_path() -> str | None:
     return None
 
 
+# what this process found and did: "slots" (_Slots or why not), "library" (the
+# loaded fast library, kept alive), "why_linked" / "why_rebound" (reasons)
 _state: dict[str, object] = {}
 
 
@@ -416,8 +421,7 @@ def blas_info() -> BlasInfo:
     return BlasInfo(kind, library, symbol, BlasBinding.REBOUND, reason, config, threads)
 
 
-_FAST = (BlasKind.OPENBLAS, BlasKind.MKL, BlasKind.BLIS, BlasKind.ACCELERATE)
-_kinds: dict[int, BlasKind] = {}
+_kinds: dict[int, BlasKind] = {}  # library kind by function address
 
 
 def fast_float32_products() -> bool:
