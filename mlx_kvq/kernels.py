@@ -84,8 +84,13 @@ def native_status() -> NativeStatus:
             f"{mx.__version__}: reinstall mlx-kvq (pip install -e .) to rebuild it",
         )
         return _status
-    with mx.stream(mx.cpu):
-        problem = _self_check(module)
+    try:
+        with mx.stream(mx.cpu):
+            problem = _self_check(module)
+    except (TypeError, ValueError, RuntimeError) as e:
+        # e.g. a nanobind release other than mlx.core's: MLX arrays are not
+        # recognised as arguments (TypeError)
+        problem = f"self-check raised {type(e).__name__}: {e}"
     if problem:
         _status = NativeStatus(False, f"mlx_kvq._native {problem}: not used")
         return _status

@@ -114,6 +114,18 @@ def test_fallbacks_say_why(monkeypatch):
     assert "built for MLX 0.0.1" in status.reason and "pip install -e ." in status.reason
     assert not attention._native()
 
+    class IncompatibleBuild:
+        built_for_mlx = mx.__version__
+
+        @staticmethod
+        def packed_scores(*args):
+            raise TypeError("packed_scores(): incompatible function arguments")
+
+    monkeypatch.setattr(kernels, "_status", None)
+    monkeypatch.setattr(kernels.importlib, "import_module", lambda name: IncompatibleBuild)
+    status = kernels.native_status()
+    assert not status.available and "TypeError" in status.reason
+
     def missing(name):
         raise ImportError("No module named 'mlx_kvq._native'")
 
