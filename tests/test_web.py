@@ -243,7 +243,8 @@ def test_status_is_open_and_describes_plan_and_engine(server):
     assert body["model"] == MODEL_ID
     assert (body["status"], body["reason"]) == ("ready", None)
     assert body["api_key_required"] is True
-    assert body["budget"] is None and body["blas"] is None
+    assert body["budget"] is None
+    assert body["blas"]["fast"] is True and "openblas" in body["blas"]["library"].lower()
     assert body["defaults"]["max_tokens"] == len(REPLY)
 
     # Every slot as the planner sees the model (the scripted hybrid: sliding, full, sliding).

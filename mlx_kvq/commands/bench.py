@@ -71,6 +71,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--serving-repeats", type=int, default=None, help="rounds per stream count (default 3)"
     )
     p.add_argument("--prefill-chunk", type=int, default=None, help="default 128")
+    p.add_argument(
+        "--reference-blas-contexts",
+        type=_ints,
+        default=None,
+        help="model contexts also measured on MLX's linked reference BLAS, float32, "
+        "both arms, labelled (default 4096; an empty string for none)",
+    )
     p.add_argument("--memory-context", type=int, default=None, help="default 16384")
     p.add_argument(
         "--memory-dtype", default=None, help="model dtype of the memory and serving sections"
@@ -103,6 +110,7 @@ def settings_from_args(args: argparse.Namespace):
         "memory_context": args.memory_context, "memory_dtype": args.memory_dtype, "streams": args.streams,
         "mlx_lm_max_call_s": args.mlx_lm_max_call_s, "seed": args.seed,
         "serving_repeats": args.serving_repeats,
+        "reference_blas_contexts": args.reference_blas_contexts,
     }  # fmt: skip
     s = replace(s, **{k: v for k, v in changes.items() if v is not None})
     if args.model_config:

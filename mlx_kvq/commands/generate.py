@@ -71,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
+    from ..blas import blas_info
     from ..caches import cache_report
     from ..generate import check_prompt_cache_settings, get_plan, load_prompt_cache, stream_generate
+    from ..kernels import native_status
 
     cfg = kv_config(args)
     source = model_source(args)
@@ -117,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec"
     )
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    print(f"BLAS: {blas_info().summary()}")
+    print(f"Native kernels: {native_status().summary()}")
     if cache is not None:
         report = cache_report(cache)
         if args.verbose:
