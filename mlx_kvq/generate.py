@@ -24,9 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 
-from .caches import quantize_cache
 from .config import KVConfig, UnsupportedKVConfig
-from .plan import KVPlan, plan_kv
+from .plan import KV_KINDS, KVPlan, plan_kv, twin_slot
 from .speculative import check_speculative_caches, split_caches
 
 # `mlx_lm.generate` the attribute is a function; the module is what we need.
@@ -84,17 +83,10 @@ def make_prompt_cache(
 
 def quantize_prompt_cache(prompt_cache: list, plan: KVPlan) -> list:
     """Replace, in place, filled unquantized entries with their quantized twins
-    (position, ring index and sink tokens preserved)."""
-    by_slot = {p.slot: p for p in plan.layers if p.member is None}
-    start = plan.config.quantized_start
+    as planned, `CacheList` members included (position, ring index and sink
+    tokens preserved)."""
     for i, c in enumerate(prompt_cache):
-        p = by_slot.get(i)
-        if p is not None and (not p.is_kv or p.skipped):
-            continue
-        prompt_cache[i] = quantize_cache(
-            c, plan.config.key_spec, plan.config.value_spec, start,
-            p.hand_out if p is not None else "packed",
-        )  # fmt: skip
+        prompt_cache[i] = twin_slot(plan, i, c)
     return prompt_cache
 
 
@@ -207,11 +199,12 @@ def save_prompt_cache(file_name: str, cache: list, metadata: dict[str, str] | No
 
 
 def _cache_settings(cache: list) -> str:
-    from .caches import KVQCache
+    from .caches import KVQCache, leaves
 
     for c in cache:
-        if isinstance(c, KVQCache):
-            return c.describe().split(" ", 1)[1]
+        for leaf in leaves(c):
+            if isinstance(leaf, KVQCache):
+                return leaf.describe().split(" ", 1)[1]
     return "unquantized"
 
 
@@ -251,20 +244,21 @@ def check_prompt_cache_settings(
     cache: list, expect: KVConfig, source: str = "prompt cache"
 ) -> None:
     """Refuse caches stored with KV settings other than `expect`, layer by layer
-    (slots `expect` skips must hold unquantized caches, the others quantized)."""
-    from .caches import KVQCache
+    (slots `expect` skips must hold unquantized caches, the others quantized;
+    container slots leaf by leaf)."""
+    from .caches import KVQCache, leaves, lookup
 
     for i, c in enumerate(cache):
         if i in expect.skip_layers:
-            if isinstance(c, KVQCache):
+            if any(isinstance(leaf, KVQCache) for leaf in leaves(c)):
                 raise UnsupportedKVConfig(
-                    f"{source}: layer {i} was stored as {c.describe()}, but "
+                    f"{source}: layer {i} holds quantized caches, but "
                     "--kv-skip-layers leaves it unquantized; rebuild the prompt cache with "
                     "these settings or pass the settings it was made with"
                 )
             continue
-        leaves = c.caches if isinstance(c, mlx_cache.CacheList) else [c]
-        for leaf in leaves:
+        for leaf in leaves(c):
+            kind = lookup(leaf)
             if isinstance(leaf, KVQCache):
                 got = (leaf.key_spec, leaf.value_spec)
                 want = (expect.key_spec, expect.value_spec)
@@ -274,7 +268,7 @@ def check_prompt_cache_settings(
                         f"{expect.describe()} was requested; rebuild the prompt cache with "
                         "these settings or pass the settings it was made with"
                     )
-            elif expect.enabled and type(leaf) in (mlx_cache.KVCache, mlx_cache.RotatingKVCache):
+            elif expect.enabled and kind is not None and kind.name in (*KV_KINDS, "layer"):
                 raise UnsupportedKVConfig(
                     f"{source}: layer {i} is unquantized ({type(leaf).__name__}), but "
                     f"{expect.describe()} was requested"

@@ -7,12 +7,13 @@ this is the only file to change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import _BaseCache
-from mlx_lm.utils import _get_classes
+from mlx_lm.utils import _download, _get_classes
 
 # mlx-lm 0.32.2: the base class of every cache (state, meta_state, trimming and
 # `from_state` for prompt-cache files); our caches derive from it.
@@ -34,6 +35,13 @@ def model_classes(config: dict[str, Any]) -> tuple[type, type]:
     """(Model class, ModelArgs class) for a config, as `mlx_lm.load` picks them
     (mlx-lm 0.32.2: `mlx_lm.utils._get_classes`)."""
     return _get_classes(config)
+
+
+def local_model(path_or_repo: str, allow_patterns: list[str] | None = None) -> Path:
+    """The local directory of a model: the path itself, or a Hugging Face repo
+    downloaded (only `allow_patterns` if given), as `sharded_load` does it
+    (mlx-lm 0.32.2: `mlx_lm.utils._download`)."""
+    return _download(str(path_or_repo), allow_patterns=allow_patterns)
 
 
 def ring_index(cache: Any) -> int:

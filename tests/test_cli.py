@@ -74,6 +74,9 @@ def test_generate_prints_plan_and_kv_bytes(tmp_path):
     assert any(line.startswith("Generation: ") for line in lines)
     held = [line for line in lines if line.startswith("KV bytes held: ")]
     assert held and int(held[0].split()[3]) > 0
+    blas = [line for line in lines if line.startswith("BLAS: ")]
+    assert blas and ("OpenBLAS" in blas[0] or sys.platform != "linux"), lines
+    assert any(line.startswith("Native kernels: ") for line in lines)
 
 
 def test_prompt_cache_file_with_quantized_windows(tmp_path):

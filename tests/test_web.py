@@ -1,7 +1,7 @@
 """The web page at `/` in headless Chromium, and `/status`, the JSON it reads.
 
-One server for the module: a tiny looping model (`kvq_testing.looping`) whose
-greedy reply is Markdown with raw HTML in it, behind an API key, started with
+One server for the module: a tiny scripted hybrid model (`kvq_testing.scripted`)
+whose greedy reply is Markdown with raw HTML in it, repeated until max_tokens, behind an API key, started with
 its warm-up held at a gate so that the page is also seen while warming up.
 One browser session for the module. Without chromium and chromedriver the
 browser tests skip with that reason; CI installs them (.ci/run) and sets
@@ -19,7 +19,7 @@ from collections import Counter
 
 import httpx
 import pytest
-from kvq_testing.looping import save_looping_model
+from kvq_testing.scripted import Reply, save_scripted_model
 from kvq_testing.server import ServerProcess
 
 from mlx_kvq.defaults import DEFAULT_KV_CONFIG
@@ -62,7 +62,9 @@ def browser_missing() -> str | None:
 @pytest.fixture(scope="module")
 def gated(tmp_path_factory):
     root = tmp_path_factory.mktemp("web")
-    path = save_looping_model(root / "looping", REPLY)
+    # The last piece leads back to the first (20.5) rather than to EOS (20): a loop.
+    reply = Reply(REPLY, extra={(REPLY[-1], REPLY[0]): 20.5})
+    path = save_scripted_model(root / "scripted", {}, reply, template="plain", arch="hybrid")
     gate = root / "gate"
     args = ("--served-model-name", MODEL_ID, "--warmup-gate", str(gate),
             "--max-tokens", str(len(REPLY)))  # fmt: skip
@@ -241,33 +243,36 @@ def test_status_is_open_and_describes_plan_and_engine(server):
     assert body["model"] == MODEL_ID
     assert (body["status"], body["reason"]) == ("ready", None)
     assert body["api_key_required"] is True
-    assert body["blas"] is None
+    assert body["blas"]["fast"] is True and "openblas" in body["blas"]["library"].lower()
     budget = body["budget"]  # the default KV budget, derived from this machine
     assert set(budget) == {"bytes", "reserved", "live", "prompt_cache", "capacity"}
     assert budget["bytes"] > 0 and budget["reserved"] == budget["live"] == 0
     assert budget["capacity"].startswith("KV budget ")
     assert body["defaults"]["max_tokens"] == len(REPLY)
 
-    # The looping model is kvq_testing.archs' "llama:sliding": 4 layers,
-    # sliding(8)/full alternating, 2 KV heads of dimension 64.
-    config = json.loads((server.model / "config.json").read_text())
+    # Every slot as the planner sees the model (the scripted hybrid: sliding, full, sliding).
+    from mlx_kvq.plan import plan_kv
+
+    want = plan_kv(server.model, DEFAULT_KV_CONFIG).layers
     key, value = DEFAULT_KV_CONFIG.key_spec, DEFAULT_KV_CONFIG.value_spec
-    per_token = 2 * (64 * key.bytes_per_element() + 64 * value.bytes_per_element())
     plan = body["plan"]
-    assert len(plan["slots"]) == config["num_hidden_layers"] == plan["kv_layers"] == 4
-    for i, (slot, layer_type) in enumerate(zip(plan["slots"], config["layer_types"], strict=True)):
-        sliding = layer_type == "sliding_attention"
+    n = len(want)
+    assert len(plan["slots"]) == plan["kv_layers"] == n == 3
+    assert [s["kind"] for s in plan["slots"]] == ["sliding", "full", "sliding"]
+    for i, (slot, layer) in enumerate(zip(plan["slots"], want, strict=True)):
         assert slot["slot"] == i
-        assert slot["kind"] == ("sliding" if sliding else "full")
-        assert slot["window"] == (config["sliding_window"] if sliding else None)
+        assert (slot["kind"], slot["window"]) == (layer.kind, layer.window)
         assert (slot["key_bits"], slot["value_bits"]) == (key.bits, value.bits)
         assert slot["rotation"] == key.rotation
         assert slot["quantized"] is True and slot["kv"] is True
+        per_token = layer.kv_heads * (
+            layer.key_dim * key.bytes_per_element() + layer.value_dim * value.bytes_per_element()
+        )
         assert slot["bytes_per_token"] == pytest.approx(per_token)
-    assert plan["bytes_per_token"] == round(4 * per_token)
-    assert plan["quantized_layers"] == 4
-    assert body["kv"] == {"bytes": 0, "by_kind": {"full": 0, "sliding": 0}, "layers": 4,
-                          "layers_quantized": 4}  # fmt: skip
+    assert plan["bytes_per_token"] == round(sum(s["bytes_per_token"] for s in plan["slots"]))
+    assert plan["quantized_layers"] == n
+    assert body["kv"] == {"bytes": 0, "by_kind": {"full": 0, "sliding": 0}, "layers": n,
+                          "layers_quantized": n}  # fmt: skip
     assert set(body["requests"]) == {"ok", "cancelled", "error", "rejected", "unauthorized"}
 
     # A request moves the counters; its text never appears in /status.
@@ -523,7 +528,7 @@ def test_page_shows_reasoning_tool_calls_budget_and_unquantized_slots(server, br
     assert row.find_element("css selector", ".storage").text == "UNQUANTIZED"
     assert row.find_element("css selector", ".key-bits").text == "16"
     alarm = browser.find_element("id", "unquantized-alarm")
-    assert alarm.is_displayed() and alarm.text.startswith("1 of 4 KV slots are UNQUANTIZED")
+    assert alarm.is_displayed() and alarm.text.startswith("1 of 3 KV slots are UNQUANTIZED")
 
     send(browser, "Weather in Paris?")
     reply = finished_reply(browser, 1)

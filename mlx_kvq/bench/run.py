@@ -36,7 +36,15 @@ def environment() -> dict:
     import mlx.core as mx
     import mlx_lm
 
+    from ..blas import blas_info
+    from ..kernels import native_status
+
     return {
+        "blas": blas_info().to_dict(),
+        "blas_summary": blas_info().summary(),
+        "native_kernels": native_status().summary(),
+        "native_threads": os.environ.get("MLX_KVQ_NATIVE_THREADS", "one per core"),
+        "load_average": load_average(),
         "device": str(mx.default_device()),
         "metal_available": bool(mx.metal.is_available()),
         "mlx": mx.__version__,
@@ -46,6 +54,14 @@ def environment() -> dict:
         "cpus": os.cpu_count(),
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
     }
+
+
+def load_average() -> list[float] | None:
+    """1/5/15-minute load averages: how shared the machine was."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def run(
@@ -81,6 +97,7 @@ def run(
             result["notes"].append(note)
             log(f"  {note}")
     result["duration_s"] = time.perf_counter() - t0
+    result["load_average_end"] = load_average()
     result["goals"] = report.goals(result)
     if plots:
         paths, message = report.plots(result, out)

@@ -19,6 +19,8 @@ from ..quant import Store
 from .base import PACKED, KVQCache
 from .chunked import KVQChunkedCache
 from .full import KVQBatchFullCache, KVQFullCache
+from .indexer import KVQBatchIndexerCache, KVQIndexerCache
+from .layer import KVQCompressedRows, KVQIndexRows, KVQLayerCache, KVQWindowRows, PendingRows
 from .window import KVQBatchWindowCache, KVQWindowCache
 
 Converter = Callable[[object, QuantSpec, QuantSpec, int, str], KVQCache]
@@ -35,6 +37,7 @@ class CacheKind:
     name: str
     convert: Converter | None
     window: Callable[[object], int | None] = lambda c: None
+    one_sequence: bool = False  # its batch form holds one sequence
 
 
 def _own(x):
@@ -93,15 +96,48 @@ REGISTRY: dict[type, CacheKind] = {
     KVQChunkedCache: CacheKind("chunked", _same, lambda c: c.chunk_size),
     KVQBatchFullCache: CacheKind("full", _same),
     KVQBatchWindowCache: CacheKind("sliding", _same, lambda c: c.max_size),
+    KVQIndexerCache: CacheKind("indexer", _same),
+    KVQBatchIndexerCache: CacheKind("indexer", _same),
+    KVQWindowRows: CacheKind("sliding", _same, lambda c: c.max_rows),
+    KVQCompressedRows: CacheKind("compressed", _same),
+    KVQIndexRows: CacheKind("indexer", _same),
+    PendingRows: CacheKind("state", None),
+    KVQLayerCache: CacheKind("layer", _same, lambda c: c.window_size, one_sequence=True),
 }
 
-# CacheList is a container: its members are looked up one by one.
-CONTAINERS = (mlx_cache.CacheList,)
+# Model-specific cache classes, declared by qualified name (no model module is
+# imported for this). Their fields are planned one by one (see plan.py).
+BY_NAME: dict[str, CacheKind] = {
+    "mlx_lm.models.deepseek_v41.LayerCache": CacheKind(
+        "layer", None, lambda c: c.window_size, one_sequence=True
+    ),
+}
+
+# Our own caches: already what a plan builds.
+TWINS = frozenset(cls for cls, kind in REGISTRY.items() if kind.convert is _same)
+
+# Containers: their members are looked up one by one.
+CONTAINERS = (mlx_cache.CacheList, KVQLayerCache)
 
 
 def lookup(cache) -> CacheKind | None:
     """The declared kind of `cache`, by exact type (None if undeclared)."""
-    return REGISTRY.get(type(cache))
+    kind = REGISTRY.get(type(cache))
+    if kind is None:
+        kind = BY_NAME.get(f"{type(cache).__module__}.{type(cache).__qualname__}")
+    return kind
+
+
+def leaves(cache) -> list:
+    """The caches a slot holds: a container's members (recursively), else itself."""
+    if type(cache) in CONTAINERS:
+        return [leaf for c in cache.caches for leaf in leaves(c)]
+    return [cache]
+
+
+def is_twin(cache) -> bool:
+    """True for a cache mlx-kvq made (a declared quantized twin)."""
+    return type(cache) in TWINS
 
 
 def quantize_cache(
@@ -111,7 +147,7 @@ def quantize_cache(
 
     Raises `TypeError` for a type nobody declared.
     """
-    if type(cache) in CONTAINERS:
+    if type(cache) is mlx_cache.CacheList:
         members = [quantize_cache(c, key_spec, value_spec, start, hand_out) for c in cache.caches]
         return mlx_cache.CacheList(*members)
     kind = lookup(cache)
@@ -133,5 +169,8 @@ def register_for_prompt_files() -> None:
         KVQChunkedCache,
         KVQBatchFullCache,
         KVQBatchWindowCache,
+        KVQIndexerCache,
+        KVQBatchIndexerCache,
+        KVQLayerCache,
     ):
         setattr(mlx_cache, cls.__name__, cls)

@@ -73,6 +73,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--serving-repeats", type=int, default=None, help="rounds per stream count (default 3)"
     )
     p.add_argument("--prefill-chunk", type=int, default=None, help="default 128")
+    p.add_argument(
+        "--reference-blas-contexts",
+        type=_ints,
+        default=None,
+        help="model contexts also measured on MLX's linked reference BLAS, float32, "
+        "both arms, labelled (default 4096; an empty string for none)",
+    )
     p.add_argument("--memory-context", type=int, default=None, help="default 16384")
     p.add_argument(
         "--memory-dtype", default=None, help="model dtype of the memory and serving sections"
@@ -123,6 +130,7 @@ def settings_from_args(args: argparse.Namespace):
         "serving_repeats": args.serving_repeats,
         "budget_memory": args.budget_memory, "budget_requests": args.budget_requests,
         "budget_prompt": args.budget_prompt, "budget_tokens": args.budget_tokens,
+        "reference_blas_contexts": args.reference_blas_contexts,
     }  # fmt: skip
     s = replace(s, **{k: v for k, v in changes.items() if v is not None})
     if args.model_config:

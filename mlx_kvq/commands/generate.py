@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from .flags import add_kv_flags, add_model_flag, kv_config
-from .startup import load_model, model_source, refuse_early
+from .startup import check_sharding_early, load_model, model_source, refuse_early
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -71,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
+    from ..blas import blas_info
     from ..caches import cache_report
     from ..generate import check_prompt_cache_settings, get_plan, load_prompt_cache, stream_generate
+    from ..kernels import native_status
 
     cfg = kv_config(args)
     source = model_source(args)
@@ -117,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec"
     )
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    print(f"BLAS: {blas_info().summary()}")
+    print(f"Native kernels: {native_status().summary()}")
     if cache is not None:
         report = cache_report(cache)
         if args.verbose:
@@ -152,12 +156,15 @@ def run_ranks(args: argparse.Namespace) -> int:
         raise ValueError("--draft-model is not supported under mlx.launch (as in mlx-lm)")
     if args.prompt_cache_file:
         raise ValueError("--prompt-cache-file is not supported under mlx.launch")
+    layout = check_sharding_early(source.location, args.pipeline, rank)
     refuse_early(source, cfg)  # the same on every rank
 
     hb = Heartbeat.start()
     hb.on_group_failed = lambda reason: abort_on_loss(RankLoss(0, reason, reported=True))
     try:
-        model, tokenizer, _, shard = load_sharded(source.location, pipeline=args.pipeline)
+        model, tokenizer, _, shard = load_sharded(
+            source.location, pipeline=args.pipeline, layout=layout
+        )
     except Exception as e:
         hb.report_fatal(f"rank {rank}: loading failed: {type(e).__name__}: {e}")
         hb.stopping()

@@ -30,7 +30,13 @@ from .flags import (
     parse_size,
 )
 from .http_process import DEFAULT_SHUTDOWN_TIMEOUT_S, serve_http
-from .startup import ModelSource, load_model, model_source, tokenizer_config
+from .startup import (
+    ModelSource,
+    check_sharding_early,
+    load_model,
+    model_source,
+    tokenizer_config,
+)
 
 log = logging.getLogger("mlx_kvq.server")
 
@@ -172,13 +178,26 @@ def engine_options(
     max_context: int | None,
     warmup_gate: str | None,
     kv_cache_memory: int | None = None,
+    max_batch: int | None = None,
 ):
-    """The engine's scheduling, prompt-cache and budget settings from the serve flags."""
+    """The engine's scheduling, prompt-cache and budget settings from the serve flags.
+
+    `max_batch` is the plan's limit (deepseek_v41 runs one sequence at a
+    time, as in mlx-lm's server): the concurrency flags are capped to it, and
+    the log says so."""
     from ..engine import EngineOptions
 
+    decode, prompt = args.decode_concurrency, args.prompt_concurrency
+    if max_batch is not None and max(decode, prompt) > max_batch:
+        log.warning(
+            "this model runs %d sequence(s) at a time: --decode-concurrency %d and "
+            "--prompt-concurrency %d are capped to %d (requests queue)",
+            max_batch, decode, prompt, max_batch,
+        )  # fmt: skip
+        decode, prompt = min(decode, max_batch), min(prompt, max_batch)
     return EngineOptions(
-        decode_concurrency=args.decode_concurrency,
-        prompt_concurrency=args.prompt_concurrency,
+        decode_concurrency=decode,
+        prompt_concurrency=prompt,
         prefill_step_size=args.prefill_step_size,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
@@ -271,16 +290,14 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(source, args)
     try:
         plan = plan_kv(model, kv, batch=True)
-        check_batch_path(plan.make_cache, kv)
+        check_batch_path(plan.make_cache, kv, max_batch=plan.max_batch)
         warmup_spec(plan.max_window, kv, plan.max_context)
     except UnsupportedKVConfig as e:
         raise UnsupportedKVConfig(f"KV setting refused for {source.served_id}: {e}") from None
     log.info("KV plan for %s:\n%s", source.served_id, plan.table())
     budget = kv_cache_memory(args, model, plan)
-    engine = Engine(
-        model, tokenizer, plan, kv,
-        engine_options(args, plan.max_context, args.warmup_gate, budget),
-    )  # fmt: skip
+    options = engine_options(args, plan.max_context, args.warmup_gate, budget, plan.max_batch)
+    engine = Engine(model, tokenizer, plan, kv, options)
     log.info("%s", engine.capacity.line)
     settings = server_settings(args, source, plan.to_dict())
     return serve_http(engine, settings, args.host, args.port, args.log_level, args.shutdown_timeout)
@@ -309,13 +326,14 @@ def run_ranks(args: argparse.Namespace) -> int:
             )
     except (ValueError, FileNotFoundError) as e:
         raise type(e)(f"rank {rank}: {e}") from None
+    layout = check_sharding_early(source.location, args.pipeline, rank)
 
     hb = Heartbeat.start()
     hb.on_group_failed = lambda reason: abort_on_loss(RankLoss(0, reason, reported=True))
     try:
         model, tokenizer, _, shard = load_sharded(
             source.location, args.pipeline, tokenizer_config=tokenizer_config(args),
-            trust_remote_code=args.trust_remote_code,
+            trust_remote_code=args.trust_remote_code, layout=layout,
         )  # fmt: skip
     except Exception as e:
         hb.report_fatal(f"rank {rank}: could not load the model: {type(e).__name__}: {e}")
@@ -325,7 +343,7 @@ def run_ranks(args: argparse.Namespace) -> int:
     sync_seed()
 
     def checks(plan) -> None:
-        check_batch_path(plan.make_cache, kv)
+        check_batch_path(plan.make_cache, kv, max_batch=plan.max_batch)
         warmup_spec(plan.max_window, kv, plan.max_context)
 
     try:
@@ -357,7 +375,7 @@ def run_ranks(args: argparse.Namespace) -> int:
         hb.stopping()
         raise ValueError(f"rank {rank}: {e}") from None
     coordinator = GroupCoordinator(hb, infos, step_timeout=args.distributed_step_timeout)
-    options = engine_options(args, plan.max_context, gate, budget)
+    options = engine_options(args, plan.max_context, gate, budget, plan.max_batch)
     engine = Engine(model, tokenizer, plan, kv, options, coordinator=coordinator)
     coordinator.bind(engine)
     hb.on_group_failed = lambda reason: log.error("rank 0 reports: %s", reason)

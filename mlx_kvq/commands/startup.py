@@ -78,3 +78,22 @@ def load_model(source: ModelSource, args: argparse.Namespace) -> tuple[Any, Any]
         raise ValueError(
             f"could not load the model from {source.location}: {type(e).__name__}: {e}"
         ) from e
+
+
+def check_sharding_early(location: str, pipeline: bool, rank: int):
+    """Under `mlx.launch`: can the group shard this model? Decided from
+    config.json before any weight is read, the same on every rank
+    (`distributed.planning.check_sharding`); returns the tensor layout (None
+    for pipeline), raises naming the rank otherwise (an unreadable config
+    too, as loading would)."""
+    from ..config import UnsupportedKVConfig
+    from ..distributed.planning import check_sharding
+
+    try:
+        return check_sharding(location, pipeline)
+    except UnsupportedKVConfig as e:
+        raise UnsupportedKVConfig(f"rank {rank}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - no config to read: say so, as loading would
+        raise ValueError(
+            f"rank {rank}: could not read the config of {location}: {type(e).__name__}: {e}"
+        ) from e

@@ -153,10 +153,12 @@ def check_batch_path(
     make_cache: Callable[[], list],
     kv: KVConfig,
     report: Callable[[list], list[dict]] = cache_report,
+    max_batch: int | None = None,
 ) -> None:
     """Refuse, before serving, a plan whose caches cannot honour the settings in a batch.
 
-    Every cache must have a batch form (`merge`), and when
+    Every cache must have a batch form (`merge`, of `max_batch` caches when
+    the plan limits the batch: a model that runs one sequence at a time), and when
     `--quantized-kv-start` is above 0 the batch form of every KV cache must
     carry that start (it converts to quantized storage itself). A setting
     that would be ignored in the batch path is an error, never a silent
@@ -171,7 +173,7 @@ def check_batch_path(
             raise UnsupportedKVConfig(
                 f"{what} has no batch form, so it cannot be served with continuous batching"
             )
-        batch = merge([ca, cb])
+        batch = merge([ca, cb][: max_batch or 2])
         if kv.quantized_start <= 0:
             continue
         members = getattr(batch, "caches", None) or [batch]

@@ -16,6 +16,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlx_kvq.blas import blas_info
 from mlx_kvq.engine import Engine
 
 from .auth import api_key_check
@@ -67,7 +68,11 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return error_response(500, f"internal error: {type(e).__name__}")
 
     app.include_router(probes_router(engine, settings))
-    app.include_router(web_router(engine, settings, budget=budget_status(engine)))
+    app.include_router(
+        web_router(
+            engine, settings, blas=lambda: blas_info().to_dict(), budget=budget_status(engine)
+        )
+    )
     app.include_router(
         openai_router(engine, settings, api_key_check(settings.api_key, engine.metrics))
     )

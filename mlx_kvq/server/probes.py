@@ -14,7 +14,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from mlx_kvq.blas import blas_info
 from mlx_kvq.engine import Engine, Status
+from mlx_kvq.kernels import native_status
 
 from .lifecycle import RETRY_AFTER_S
 from .prometheus import make_registry
@@ -46,6 +48,8 @@ def probes_router(engine: Engine, settings: ServerSettings) -> APIRouter:
                 "plan": plan_health(settings.plan),
                 "kv_budget": engine.capacity.to_dict() if engine.capacity else None,
                 "warmup": state.report,
+                "blas": blas_info().to_dict(),
+                "native_kernels": native_status().summary(),
             }
         )
 
