@@ -60,7 +60,7 @@ class KVQFullCache(KVQCache):
 
     @property
     def state(self):
-        return [self._store_state(), self.offset, self._spec_state()]
+        return [self._store_state(self.offset), self.offset, self._spec_state()]
 
     @state.setter
     def state(self, v):

@@ -99,34 +99,51 @@ class PromptCache:
                 self._hits, self._misses, self._evictions, self._rejected,
             )  # fmt: skip
 
+    def _best(self, tokens: list[int]) -> tuple[tuple[int, ...] | None, int, int]:
+        """(key, tokens it covers, tokens to trim) of the best entry for `tokens`;
+        call with the lock held."""
+        best_key, best_len, best_trim = None, 0, 0
+        for key, entry in self._entries.items():
+            shared = common_prefix(key, tokens)
+            if shared == len(key) and shared < len(tokens):
+                use, trim = shared, 0
+            elif can_trim_prompt_cache(entry.cache):
+                use = min(shared, len(tokens) - 1)
+                trim = len(key) - use
+            else:
+                continue
+            if use > best_len:
+                best_key, best_len, best_trim = key, use, trim
+        return best_key, best_len, best_trim
+
+    def touch(self, tokens: list[int]) -> None:
+        """Make the entry `fetch(tokens)` would use the most recently used, so
+        that evictions before the fetch take it last."""
+        with self._lock:
+            key = self._best(tokens)[0]
+            if key is not None:
+                self._entries.move_to_end(key)
+
     def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         """A private copy of the best cache for `tokens` and how many tokens it covers.
 
         At least one prompt token is always left uncovered: the model must
-        see the last prompt token to produce the first new one.
+        see the last prompt token to produce the first new one. A copy cut
+        back to a shorter prefix is compacted: it holds only what it covers.
         """
         with self._lock:
-            best_key, best_len, best_trim = None, 0, 0
-            for key, entry in self._entries.items():
-                shared = common_prefix(key, tokens)
-                if shared == len(key) and shared < len(tokens):
-                    use, trim = shared, 0
-                elif can_trim_prompt_cache(entry.cache):
-                    use = min(shared, len(tokens) - 1)
-                    trim = len(key) - use
-                else:
-                    continue
-                if use > best_len:
-                    best_key, best_len, best_trim = key, use, trim
+            best_key, best_len, best_trim = self._best(tokens)
             if best_key is None:
                 self._misses += 1
                 return None, 0
             self._entries.move_to_end(best_key)
             cache = copy.deepcopy(self._entries[best_key].cache)
-        if best_trim and trim_prompt_cache(cache, best_trim) != best_trim:
-            with self._lock:
-                self._misses += 1
-            return None, 0
+        if best_trim:
+            if trim_prompt_cache(cache, best_trim) != best_trim:
+                with self._lock:
+                    self._misses += 1
+                return None, 0
+            own_copy(cache)
         with self._lock:
             self._hits += 1
         return cache, best_len
@@ -140,17 +157,21 @@ class PromptCache:
         if self.max_entries == 0 or not tokens:
             return False
         key = tuple(tokens)
-        own_copy(cache)
-        nbytes = cache_nbytes(cache)
         cap = self._cap(budget)
+        need = cache_nbytes(cache)  # what its own copy holds at most
         with self._lock:
-            if cap is not None and nbytes > cap:
+            if cap is not None and need > cap:
                 self._rejected += 1
                 self._evict(cap)
                 return False
             old = self._entries.pop(key, None)
             if old is not None:
                 self._nbytes -= old.nbytes
+            # room first: the copy below never puts the cache over its cap
+            self._evict(None if cap is None else cap - need, spare=1)
+        own_copy(cache)
+        nbytes = cache_nbytes(cache)
+        with self._lock:
             if can_trim_prompt_cache(cache):
                 # A trimmable longer cache serves every prefix: drop those.
                 for k in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
@@ -184,9 +205,12 @@ class PromptCache:
         caps = [c for c in (self.max_bytes, budget) if c is not None]
         return max(0, min(caps)) if caps else None
 
-    def _evict(self, cap: int | None) -> None:
+    def _evict(self, cap: int | None, spare: int = 0) -> None:
+        """Evict the oldest entries until at most `cap` bytes and `max_entries`
+        less `spare` entries are held."""
         while self._entries and (
-            len(self._entries) > self.max_entries or (cap is not None and self._nbytes > cap)
+            len(self._entries) > self.max_entries - spare
+            or (cap is not None and self._nbytes > cap)
         ):
             _, entry = self._entries.popitem(last=False)
             self._nbytes -= entry.nbytes
