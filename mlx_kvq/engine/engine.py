@@ -465,7 +465,7 @@ class Engine:
         """Insert queued requests into the batch, in order, while a decode slot is
         free, fewer than `prompt_concurrency` prompts are being processed, and
         (with a budget) the head of the queue's worst case fits what is left;
-        the prompt cache yields to it (after it took what it reuses from it)."""
+        the prompt cache yields to it, the entry it reuses last."""
         if self.budget is not None and not self._live:
             self.budget.settle()  # an empty batch holds nothing any more
         while (
@@ -479,6 +479,10 @@ class Engine:
                 if not self.budget.fits(shape):
                     break  # it waits: sequences finishing will make room
                 self.budget.reserve(live.request.id, shape)
+                # the prompt cache yields before the copy it reuses is made
+                # (that entry last: it is made the most recently used)
+                self.prompt_cache.touch(list(live.request.prompt))
+                self._trim_prompt_cache()
             self._pending.popleft()
             self._dequeue(live.request.id)
             try:
@@ -486,6 +490,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - this request's settings, not the engine
                 self._fail(live, e)
         self._trim_prompt_cache()
+        self._measure()
 
     def _insert(self, live: _Live) -> None:
         prompt = list(live.request.prompt)
@@ -575,7 +580,7 @@ class Engine:
         done = [uid for uid in done if uid in self._live]
         if done:
             for cache, tokens in self._bg.extract_cache(done).values():
-                self.prompt_cache.insert(list(tokens), cache, self._cache_budget())
+                self._store_prompt(tokens, cache)
 
     def _on_token(self, live: _Live, r: Any) -> bool:
         """Emit one token's event; True when the sequence is done."""
@@ -604,7 +609,7 @@ class Engine:
         if live.stop_hit:
             reason = FinishReason.STOP
         if cache is not None and tokens:
-            self.prompt_cache.insert(list(tokens), cache, self._cache_budget())
+            self._store_prompt(tokens, cache)
         usage = Usage(len(live.request.prompt), live.completion_tokens, live.cached)
         live.sink(FinishEvent(reason, usage))
         self.metrics.count_request(Outcome.OK)
@@ -648,6 +653,16 @@ class Engine:
             caps.append(self.budget.room())
         return min(caps) if caps else None
 
+    def _store_prompt(self, tokens: list[int], cache: list) -> None:
+        """Keep a sequence's cache in the prompt cache within the byte caps and
+        the room the KV budget leaves; in a group, only once every rank has
+        room for it by its bound (evicting the oldest entries first)."""
+        if self.budget is not None and len(self.budget.shares) > 1:
+            if not self._yield_group_prompt_cache(len(tokens)):
+                return
+        self.prompt_cache.insert(list(tokens), cache, self._cache_budget())
+        self._measure()
+
     def _trim_prompt_cache(self) -> None:
         budget = self._cache_budget()
         if budget is not None:
@@ -655,33 +670,50 @@ class Engine:
         if self.budget is not None and len(self.budget.shares) > 1:
             self._yield_group_prompt_cache()
 
-    def _yield_group_prompt_cache(self) -> None:
+    def _yield_group_prompt_cache(self, extra_tokens: int | None = None) -> bool:
         """In a group, evict (oldest first) until every rank's prompt cache fits
-        its room, charging entries by their bound on each rank: measured bytes
-        differ between ranks, and every rank must evict alike."""
+        its room, with an entry of `extra_tokens` tokens added when given;
+        entries are charged by their bound on each rank: measured bytes differ
+        between ranks, and every rank must evict alike. False when the extra
+        entry does not fit even with the prompt cache empty."""
         ledger = self.budget
-        rooms = [ledger.room(r) for r in range(len(ledger.shares))]
+        shares = ledger.shares
+        rooms = [ledger.room(r) for r in range(len(shares))]
+        extra = [0 if extra_tokens is None else s.cost.entry_bytes(extra_tokens) for s in shares]
+        if any(e > room for e, room in zip(extra, rooms, strict=True)):
+            return False
         while len(self.prompt_cache):
             counts = self.prompt_cache.token_counts()
             if all(
-                sum(s.cost.entry_bytes(n) for n in counts) <= room
-                for s, room in zip(ledger.shares, rooms, strict=True)
+                e + sum(s.cost.entry_bytes(n) for n in counts) <= room
+                for s, e, room in zip(shares, extra, rooms, strict=True)
             ):
-                return
+                break
             self.prompt_cache.evict_oldest()
+        return True
 
     def _check_budget(self) -> None:
-        """After a step: measure what the caches hold against the budget and the
-        bound of the admitted sequences (both must hold at every step)."""
+        """After a step: free the shares of rows the step took out, let the
+        prompt cache yield to what is left, and measure."""
         if self.budget is None or self._bg is None:
             return
         self.budget.settle()
         self._trim_prompt_cache()
+        self._measure()
+
+    def _measure(self) -> None:
+        """Measure what the caches hold (live sequences and prompt cache: their
+        `nbytes`) against the budget and the bound of the admitted sequences.
+        Called wherever the bytes held can grow: after a step, after admitting
+        requests (a reused prompt-cache entry is copied) and after a prompt
+        cache insertion."""
+        if self.budget is None or self._bg is None:
+            return
         live = int(self._bg.prompt_cache_nbytes)
         held = self.prompt_cache.nbytes
         if not self.budget.check(live, held):
             log.error(
-                "KV budget exceeded after a step: live %d + prompt cache %d bytes, budget %d, "
+                "KV budget exceeded: live %d + prompt cache %d bytes, budget %d, "
                 "bound of the admitted sequences %d",
                 live, held, self.budget.budget, self.budget.reserved(),
             )  # fmt: skip
@@ -702,7 +734,7 @@ class Engine:
             self.metrics.set_budget(
                 BudgetFigures(
                     b.budget, b.reserved(), b.last_live, self.prompt_cache.nbytes,
-                    b.peak_held, b.overruns, b.bound_misses,
+                    b.peak_held, b.overruns, b.bound_misses, len(b.shapes),
                 )
             )  # fmt: skip
         self.metrics.set_state(

@@ -29,6 +29,7 @@ class BudgetFigures:
     peak_held: int  # the most live + prompt-cache bytes measured after any step
     overruns: int  # steps that measured more than the budget (0 unless a bound is wrong)
     bound_misses: int  # steps whose live bytes exceeded the admitted sequences' bound
+    admitted: int = 0  # sequences holding a share of the budget now
 
 
 @dataclass
