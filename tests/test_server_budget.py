@@ -23,9 +23,9 @@ from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 from mlx_kvq.engine.budget import Shape, share_for
 from mlx_kvq.plan import plan_kv
 
-BUDGET = 560_000  # bytes: three of the requests below at the default KV setting
+BUDGET = 400_000  # bytes: three of the requests below at the default KV setting
 QUEUE = 6
-PROMPT, MAX_TOKENS = 40, 300
+PROMPT, MAX_TOKENS = 40, 150
 WAIT_S = 300
 
 
@@ -69,7 +69,7 @@ def test_flood_under_a_small_budget(model_dir, tmp_path):
             "--warmup-gate", str(gate))  # fmt: skip
     with ServerProcess(model_dir, *args) as server:
         server.wait_for("/health", 503)
-        assert "KV budget 546.9 KiB" in server.log()  # the capacity line, at startup
+        assert "KV budget 390.6 KiB" in server.log()  # the capacity line, at startup
 
         answers: dict[int, httpx.Response] = {}
 
@@ -94,12 +94,23 @@ def test_flood_under_a_small_budget(model_dir, tmp_path):
         assert time.monotonic() - t0 < 30  # answered while the queue waits
         error = huge.json()["error"]
         assert error["code"] == "kv_budget_exceeded"
-        for words in ("needs up to", "KV budget of 546.9 KiB", "--kv-cache-memory", "max_tokens"):
+        for words in ("needs up to", "KV budget of 390.6 KiB", "--kv-cache-memory", "max_tokens"):
             assert words in error["message"], error["message"]
 
+        def budget_status():
+            return httpx.get(server.url + "/status", timeout=10).json()["budget"]
+
+        waiting = budget_status()  # what the page shows while the queue waits
+        assert (waiting["admitted"], waiting["waiting"]) == (0, QUEUE)
+
         gate.touch()
+        admitted = []  # sequences admitted, as the page sees them while the flood runs
+        while any(t.is_alive() for t in threads):
+            admitted.append(budget_status()["admitted"])
+            time.sleep(0.05)
         for t in threads:
             t.join(WAIT_S)
+        assert 2 <= max(admitted) <= fits, admitted
         assert sorted(answers) == list(range(QUEUE))
         for i, r in answers.items():
             assert r.status_code == 200, (i, r.text)
@@ -120,13 +131,14 @@ def test_flood_under_a_small_budget(model_dir, tmp_path):
         assert 0 < m["mlx_kvq_kv_bytes_held_max"] <= BUDGET
         assert 2 <= m["mlx_kvq_batch_size_max"] <= fits
         assert m["mlx_kvq_kv_bytes_reserved"] == 0 and m["mlx_kvq_kv_bytes_live"] == 0
+        assert m["mlx_kvq_kv_sequences_admitted"] == 0
 
         health = server.health().json()["kv_budget"]
         assert health["budget"] == BUDGET and health["tokens"] == 4096  # the model's context
         assert health["sequences"] == cost.sequences(BUDGET, Shape(4095, 4096))
         unquantized = cost.unquantized().sequences(BUDGET, Shape(4095, 4096))
         assert health["sequences_unquantized"] == unquantized
-        assert health["line"].startswith("KV budget 546.9 KiB: ")
+        assert health["line"].startswith("KV budget 390.6 KiB: ")
         status = httpx.get(server.url + "/status", timeout=10).json()["budget"]
         assert status["bytes"] == BUDGET and status["capacity"] == health["line"]
-        assert status["reserved"] == status["live"] == 0
+        assert status["reserved"] == status["live"] == status["admitted"] == status["waiting"] == 0

@@ -63,18 +63,22 @@ def probes_router(engine: Engine, settings: ServerSettings) -> APIRouter:
 def budget_status(engine: Engine) -> Callable[[], dict[str, Any] | None] | None:
     """The `budget` of `/status` (None without a budget): the budget, bytes
     reserved by admitted requests, bytes live sequences and the prompt cache
-    hold, and the capacity line."""
+    hold, the sequences admitted and the requests waiting, and the capacity
+    line."""
     if engine.budget is None:
         return None
 
     def status() -> dict[str, Any] | None:
-        b = engine.metrics.snapshot().budget
+        snapshot = engine.metrics.snapshot()
+        b = snapshot.budget
         capacity = engine.capacity
         return {
             "bytes": engine.budget.budget,
             "reserved": b.reserved if b else 0,
             "live": b.live if b else 0,
             "prompt_cache": b.prompt_cache if b else 0,
+            "admitted": b.admitted if b else 0,
+            "waiting": snapshot.queue_depth,
             "capacity": capacity.line if capacity else None,
         }
 

@@ -113,6 +113,7 @@ def _budget_families(b):
         return
     yield _gauge("kv_cache_memory_bytes", "KV memory budget (--kv-cache-memory)", b.budget)
     yield _gauge("kv_bytes_reserved", "KV bytes the admitted requests can hold at most", b.reserved)
+    yield _gauge("kv_sequences_admitted", "Sequences holding a share of the KV budget", b.admitted)
     yield _gauge(
         "kv_bytes_held_max",
         "Most KV bytes (live sequences and prompt cache) measured after any step",
