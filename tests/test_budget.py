@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 import threading
 import time
@@ -396,3 +397,14 @@ def test_prompt_cache_reuse_and_insertions_stay_within_the_budget(full_only, mon
     for live, reserved, prompt_cache in measured:
         assert live <= reserved and live + prompt_cache <= budget
     assert max(live + pc for live, _, pc in measured) > budget // 2
+
+
+def test_kv_cache_memory_sizes():
+    """--kv-cache-memory: bytes, or a decimal or binary suffix."""
+    from mlx_kvq.commands.flags import parse_size
+
+    sizes = {"1000000": 10**6, "64KiB": 64 << 10, "512MiB": 512 << 20, "2GiB": 2 << 30,
+             "100KB": 10**5, "512MB": 512 * 10**6, "2GB": 2 * 10**9, "1.5 GiB": 3 << 29}  # fmt: skip
+    assert {text: parse_size(text) for text in sizes} == sizes
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        parse_size("2 parsecs")
