@@ -177,14 +177,16 @@ def engine_options(
     args: argparse.Namespace,
     max_context: int | None,
     warmup_gate: str | None,
-    kv_cache_memory: int | None = None,
     max_batch: int | None = None,
+    *,
+    kv_cache_memory: int | None = None,
 ):
     """The engine's scheduling, prompt-cache and budget settings from the serve flags.
 
     `max_batch` is the plan's limit (deepseek_v41 runs one sequence at a
     time, as in mlx-lm's server): the concurrency flags are capped to it, and
-    the log says so."""
+    the log says so. `kv_cache_memory` is the KV budget in bytes (None: admit
+    by count only)."""
     from ..engine import EngineOptions
 
     decode, prompt = args.decode_concurrency, args.prompt_concurrency
@@ -296,7 +298,9 @@ def run(args: argparse.Namespace) -> int:
         raise UnsupportedKVConfig(f"KV setting refused for {source.served_id}: {e}") from None
     log.info("KV plan for %s:\n%s", source.served_id, plan.table())
     budget = kv_cache_memory(args, model, plan)
-    options = engine_options(args, plan.max_context, args.warmup_gate, budget, plan.max_batch)
+    options = engine_options(
+        args, plan.max_context, args.warmup_gate, plan.max_batch, kv_cache_memory=budget
+    )
     engine = Engine(model, tokenizer, plan, kv, options)
     log.info("%s", engine.capacity.line)
     settings = server_settings(args, source, plan.to_dict())
@@ -375,7 +379,7 @@ def run_ranks(args: argparse.Namespace) -> int:
         hb.stopping()
         raise ValueError(f"rank {rank}: {e}") from None
     coordinator = GroupCoordinator(hb, infos, step_timeout=args.distributed_step_timeout)
-    options = engine_options(args, plan.max_context, gate, budget, plan.max_batch)
+    options = engine_options(args, plan.max_context, gate, plan.max_batch, kv_cache_memory=budget)
     engine = Engine(model, tokenizer, plan, kv, options, coordinator=coordinator)
     coordinator.bind(engine)
     hb.on_group_failed = lambda reason: log.error("rank 0 reports: %s", reason)
