@@ -43,6 +43,13 @@ def add_kv_args(parser: argparse.ArgumentParser, default_bits: int | None = None
         help="rotate K/V with a Hadamard transform before quantizing",
     )
     g.add_argument(
+        "--kv-window-bits",
+        type=int,
+        default=None,
+        help="bits for keys and values of bounded layers (sliding window, chunked, "
+        "--max-kv-size); default: as the other layers (with no bits flag: mlx_kvq/defaults.py)",
+    )
+    g.add_argument(
         "--quantized-kv-start",
         type=int,
         default=0,
@@ -72,14 +79,16 @@ def kv_config_from_args(args: argparse.Namespace) -> KVConfig:
     """
     from .defaults import resolve_widths
 
-    bits, key_bits, value_bits, rotation = resolve_widths(
-        args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation
-    )
+    w = resolve_widths(
+        args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation,
+        args.kv_window_bits,
+    )  # fmt: skip
     return KVConfig.from_args(
-        kv_bits=bits or None, kv_group_size=args.kv_group_size, kv_key_bits=key_bits,
-        kv_value_bits=value_bits, kv_rotation=rotation,
+        kv_bits=w.bits or None, kv_group_size=args.kv_group_size, kv_key_bits=w.key_bits,
+        kv_value_bits=w.value_bits, kv_rotation=w.rotation,
         quantized_kv_start=args.quantized_kv_start, max_kv_size=args.max_kv_size,
         allow_partial_kv=args.allow_partial_kv, kv_skip_layers=args.kv_skip_layers,
+        kv_window_bits=w.window_bits,
     )  # fmt: skip
 
 
@@ -185,6 +194,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kv_bits=cfg.bits, kv_group_size=cfg.group_size, kv_key_bits=cfg.key_bits,
         kv_value_bits=cfg.value_bits, kv_rotation=cfg.rotation,
         quantized_kv_start=cfg.quantized_start, max_kv_size=cfg.max_kv_size,
+        kv_window_bits=cfg.window_bits,
     )  # fmt: skip
     mx.reset_peak_memory()
     response = None

@@ -29,18 +29,36 @@ model without them gets `UnsupportedKVConfig` at plan time: use
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from .config import KVConfig
 
 DEFAULT_KV_CONFIG = KVConfig(bits=4, value_bits=3, group_size=64, rotation="hadamard")
 
 
+class Widths(NamedTuple):
+    bits: int | None
+    key_bits: int | None
+    value_bits: int | None
+    rotation: str
+    window_bits: int | None
+
+
 def resolve_widths(
-    bits: int | None, key_bits: int | None, value_bits: int | None, rotation: str | None
-) -> tuple[int | None, int | None, int | None, str]:
+    bits: int | None,
+    key_bits: int | None,
+    value_bits: int | None,
+    rotation: str | None,
+    window_bits: int | None = None,
+) -> Widths:
     """The command line's bit widths and rotation, with the default setting
     filled in when none of the three bits flags was given (0 is passed on:
-    callers read it as "unquantized")."""
+    callers read it as "unquantized"). `--kv-window-bits` alone keeps the
+    default widths and replaces the default's window width."""
     if bits is None and key_bits is None and value_bits is None:
         d = DEFAULT_KV_CONFIG
-        return d.bits, d.key_bits, d.value_bits, rotation or d.rotation
-    return bits, key_bits, value_bits, rotation or "none"
+        return Widths(
+            d.bits, d.key_bits, d.value_bits, rotation or d.rotation,
+            window_bits if window_bits is not None else d.window_bits,
+        )  # fmt: skip
+    return Widths(bits, key_bits, value_bits, rotation or "none", window_bits)

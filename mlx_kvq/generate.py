@@ -35,7 +35,7 @@ _PLANS: dict[int, dict] = {}
 
 KV_KEYS = (
     "kv_bits", "kv_group_size", "kv_key_bits", "kv_value_bits", "kv_rotation",
-    "quantized_kv_start", "max_kv_size", "allow_partial_kv", "kv_skip_layers",
+    "quantized_kv_start", "max_kv_size", "allow_partial_kv", "kv_skip_layers", "kv_window_bits",
 )  # fmt: skip
 
 
@@ -67,6 +67,7 @@ def make_prompt_cache(
     kv_rotation: str = "none",
     allow_partial_kv: bool = False,
     kv_skip_layers: tuple[int, ...] | None = None,
+    kv_window_bits: int | None = None,
 ) -> list[Any]:
     """One cache per cache slot of the model (same length and order as
     mlx-lm's), every KV layer quantized as planned.
@@ -77,7 +78,7 @@ def make_prompt_cache(
     """
     cfg = KVConfig.from_args(
         kv_bits, kv_group_size, kv_key_bits, kv_value_bits, kv_rotation,
-        quantized_kv_start, max_kv_size, allow_partial_kv, kv_skip_layers,
+        quantized_kv_start, max_kv_size, allow_partial_kv, kv_skip_layers, kv_window_bits,
     )  # fmt: skip
     if not cfg.enabled:
         return mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
@@ -87,16 +88,24 @@ def make_prompt_cache(
 def quantize_prompt_cache(prompt_cache: list, plan: KVPlan) -> list:
     """Replace, in place, filled unquantized entries with their quantized twins
     (position, ring index and sink tokens preserved)."""
-    by_slot = {p.slot: p for p in plan.layers if p.member is None}
+    by_slot = {(p.slot, p.member): p for p in plan.layers}
     start = plan.config.quantized_start
+
+    def convert(c, slot: int, member: int | None):
+        p = by_slot.get((slot, member))
+        if p is None:
+            k, v = plan.config.specs()
+            return quantize_cache(c, k, v, start)
+        if not p.is_kv or p.skipped:
+            return c
+        return quantize_cache(c, p.key_spec, p.value_spec, start, p.hand_out)
+
     for i, c in enumerate(prompt_cache):
-        p = by_slot.get(i)
-        if p is not None and (not p.is_kv or p.skipped):
-            continue
-        prompt_cache[i] = quantize_cache(
-            c, plan.config.key_spec, plan.config.value_spec, start,
-            p.hand_out if p is not None else "packed",
-        )  # fmt: skip
+        if type(c) is mlx_cache.CacheList:
+            members = [convert(m, i, j) for j, m in enumerate(c.caches)]
+            prompt_cache[i] = mlx_cache.CacheList(*members)
+        else:
+            prompt_cache[i] = convert(c, i, None)
     return prompt_cache
 
 
@@ -137,11 +146,12 @@ def generate_step(
     kv_key_bits: int | None = None,
     kv_value_bits: int | None = None,
     kv_rotation: str = "none",
+    kv_window_bits: int | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """mlx-lm's `generate_step`, with every KV layer quantized."""
     cfg = KVConfig.from_args(
         kv_bits, kv_group_size, kv_key_bits, kv_value_bits, kv_rotation,
-        quantized_kv_start, max_kv_size,
+        quantized_kv_start, max_kv_size, kv_window_bits=kv_window_bits,
     )  # fmt: skip
     prompt_cache = _prepare_cache(model, prompt_cache, cfg)
     yield from mlx_generate.generate_step(
@@ -253,7 +263,7 @@ def check_prompt_cache_settings(
         for leaf in leaves:
             if isinstance(leaf, KVQCache):
                 got = (leaf.key_spec, leaf.value_spec)
-                want = (expect.key_spec, expect.value_spec)
+                want = expect.specs(bounded=leaf.bounded)
                 if got != want:
                     raise UnsupportedKVConfig(
                         f"{source}: layer {i} was stored as {leaf.describe()}, but "

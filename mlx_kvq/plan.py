@@ -393,16 +393,9 @@ def plan_kv(
         if kind.name == "sliding" and getattr(c, "keep", 0) and batch:
             notes.append(f"{where}: sink tokens (keep={c.keep}) are not kept in batched windows")
         skipped = slot in cfg.skip_layers
+        key_spec, value_spec = cfg.specs(bounded=window is not None)
         layers.append(
-            LayerPlan(
-                slot,
-                kind.name,
-                window,
-                cfg.key_spec,
-                cfg.value_spec,
-                skipped=skipped,
-                member=member,
-            )
+            LayerPlan(slot, kind.name, window, key_spec, value_spec, skipped=skipped, member=member)
         )
     if cfg.max_kv_size is not None and any(p.kind == "full" for p in layers):
         notes.append(

@@ -20,6 +20,7 @@ from .batch import BatchKVQCache, merge_stores
 
 class KVQWindowCache(KVQCache):
     kind = "sliding"
+    bounded = True
 
     def __init__(
         self,
@@ -199,6 +200,7 @@ class KVQBatchWindowCache(BatchKVQCache):
     """Left-padded batch of sliding-window rings; bounded by `max_size` slots."""
 
     kind = "sliding"
+    bounded = True
 
     def __init__(
         self,
