@@ -212,12 +212,12 @@ def save_prompt_cache(file_name: str, cache: list, metadata: dict[str, str] | No
 
 
 def _cache_settings(cache: list) -> str:
+    """Each layout's settings once, in layer order ("sliding K 8b/g64 V 8b/g64; full ...")."""
     from .caches import KVQCache
 
-    for c in cache:
-        if isinstance(c, KVQCache):
-            return c.describe().split(" ", 1)[1]
-    return "unquantized"
+    leaves = [x for c in cache for x in (c.caches if type(c) is mlx_cache.CacheList else [c])]
+    seen = dict.fromkeys(c.describe() for c in leaves if isinstance(c, KVQCache))
+    return "; ".join(seen) or "unquantized"
 
 
 def load_prompt_cache(

@@ -193,8 +193,17 @@ def test_batch_forms_keep_each_kinds_width():
         model(tokens, cache=cache)
     merged = [type(a).merge([a, b]) for a, b in zip(*rows, strict=True)]
     model(mx.array([[1], [2]]), cache=merged)
+    other = [type(a).merge([a]) for a in plan.make_cache()]
+    model(mx.array([[4, 5, 6]]), cache=other)
+    model(mx.array([[7]]), cache=other)
+    for m, o in zip(merged, other, strict=True):
+        m.extend(o)
+        m.filter([0, 2])
+    model(mx.array([[1], [2]]), cache=merged)
     for m in merged:
         want = 8 if m.bounded else 3
         assert (m.keys.spec.bits, m.values.spec.bits) == (want, want)
+        assert m.keys.quantized and m.values.quantized
         one = m.extract(1)
         assert one.bounded == m.bounded and one.keys.spec.bits == want
+        assert one.nbytes == round(plan.layers[merged.index(m)].bytes_per_token() * one.keys.length)
