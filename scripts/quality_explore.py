@@ -217,6 +217,44 @@ def make_caches(model, scheme: dict) -> list:
     return out
 
 
+def _layer_bits(s: dict, held: int) -> float:
+    """Bits per element of one layer holding `held` tokens under scheme `s`,
+    with the exact (full-precision) tail at its average length: `R` tokens,
+    plus half a group for per-channel keys whose incomplete group stays exact."""
+
+    def cost(bits, group):
+        return 16.0 if bits is None else bits + 32 / group
+
+    k, v = cost(s.get("kb"), s.get("kg", 64)), cost(s.get("vb"), s.get("vg", 64))
+    if s.get("kb") is None and s.get("vb") is None:
+        return 16.0
+    tail = s.get("R", 0)
+    if s.get("kmode") == "channel" and not s.get("partial"):
+        tail += (s["kg"] - 1) / 2
+    tail = min(tail, held)
+    return ((held - tail) * (k + v) / 2 + tail * 16.0) / held
+
+
+def held_bits(model, scheme: dict, context: int = 2048) -> float:
+    """Bits per element the scheme would hold at `context` tokens (sliding
+    layers hold their window), as a real layout of it would."""
+    total = slots = 0
+    exact = dict(FP, kg=64, vg=64)
+    for i, c in enumerate(model.make_cache()):
+        sliding = isinstance(c, mlx_cache.RotatingKVCache)
+        held = min(context, c.max_size) if sliding else context
+        kind = "sliding" if sliding else "full"
+        if kind in scheme:
+            s = {**exact, **scheme[kind]}
+        elif "layers" in scheme:
+            s = scheme if i in scheme["layers"] else exact
+        else:
+            s = scheme
+        total += _layer_bits(s, held) * held
+        slots += held
+    return total / slots
+
+
 # -- measurement --------------------------------------------------------------------
 def log_probs(model, ids: mx.array, caches: list, chunk: int) -> mx.array:
     out = []
@@ -252,31 +290,39 @@ def run(args) -> dict:
         wins = _windows(ids, args.context, args.windows, bos)
         base = [log_probs(model, mx.array(w), model.make_cache(), args.chunk) for w in wins]
         data[name] = (wins, base)
-    results = json.loads(RAW.read_text())["results"] if RAW.exists() else {}
+    cmd = (
+        f"python scripts/quality_explore.py --context {args.context} --chunk {args.chunk} "
+        f"--windows {args.windows}"
+    )
+    old = json.loads(RAW.read_text()) if RAW.exists() else {}
+    # --only updates a run with the same windows; other windows start afresh.
+    results = old["results"] if old.get("command") == cmd else {}
     for label, (group, scheme) in SCHEMES.items():
         if args.only and args.only not in (group, label):
             continue
         t0 = time.perf_counter()
         res = {n: measure(model, w, b, scheme, args.chunk) for n, (w, b) in data.items()}
-        results[label] = {"group": group, "scheme": scheme, "texts": res}
+        results[label] = {"group": group, "scheme": scheme, "bits": held_bits(model, scheme),
+                          "texts": res}  # fmt: skip
         line = " | ".join(
             f"{n}: KL {r['kl_mean']:.2e} top-1 {100 * r['top1']:.2f}%" for n, r in res.items()
         )
         print(f"{label}: {line} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    cmd = (
-        f"python scripts/quality_explore.py --context {args.context} --chunk {args.chunk} "
-        f"--windows {args.windows}"
-    )
     return {"command": cmd, "results": results}
 
 
 def table(raw: dict) -> str:
     names = list(next(iter(raw["results"].values()))["texts"])
     lines = [
-        "| scheme | " + " | ".join(f"mean KL, {n} | top-1, {n}" for n in names) + " |",
-        "|---|" + "---:|---:|" * len(names),
+        "| scheme | bits/elem at 2,048 | "
+        + " | ".join(f"mean KL, {n} | top-1, {n}" for n in names)
+        + " |",
+        "|---|---:|" + "---:|---:|" * len(names),
     ]
-    for label, r in raw["results"].items():
+    order = [k for k in SCHEMES if k in raw["results"]]
+    order += [k for k in raw["results"] if k not in SCHEMES]
+    for label in order:
+        r = raw["results"][label]
         cells = []
         for n in names:
             t = r["texts"][n]
@@ -284,7 +330,7 @@ def table(raw: dict) -> str:
                 f"{t['kl_mean']:.2e} ± {t['kl_mean_se']:.1e}",
                 f"{100 * t['top1']:.2f}% ± {100 * t['top1_se']:.2f}",
             ]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | {r['bits']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
