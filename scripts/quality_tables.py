@@ -163,7 +163,7 @@ def frontier_table(all_rows: list[dict], default: dict) -> str:
         marks = ("meets" if meets_goal(r) else "") + (
             " · frontier" if on_frontier(r, all_rows) else ""
         )
-        label = f"**{r['label']}** (default)" if r is default else r["label"]
+        label = f"**{r['label']}** (default)" if r["label"] == default["label"] else r["label"]
         lines.append(f"| {label} | {r['bits']:.2f} | " + " | ".join(cells) + f" | {marks} |")
     return "\n".join(lines)
 
@@ -206,16 +206,20 @@ def frontier_section(data: dict) -> str:
     return head + frontier_table(all_rows, default) + tail
 
 
+def config_of(row: dict) -> KVConfig:
+    """The recorded setting of a row as a KVConfig (JSON keeps tuples as lists)."""
+    c = row["kv_config"]
+    return KVConfig(**{**c, "skip_layers": tuple(c["skip_layers"])})
+
+
 def eval_command(row: dict, first: dict) -> str:
     """The `mlx-kvq eval` command that measures `row` on the frontier's windows:
     no bits flag when it is the package's default setting."""
-    from dataclasses import asdict
-
     from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 
     cmd = f"mlx-kvq eval --context {first['context']} --chunk {first['chunk']} "
     cmd += f"--windows {first['windows']}"
-    if row["kv_config"] == asdict(DEFAULT_KV_CONFIG):
+    if config_of(row) == DEFAULT_KV_CONFIG:
         return cmd
     c = row["kv_config"]
     flags = [f"--kv-bits {c['bits']}"]
