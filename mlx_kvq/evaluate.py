@@ -121,8 +121,8 @@ def held_storage(model: nn.Module, cfg: KVConfig, context: int) -> dict:
     with `context` tokens of K/V in the model's dtype as generation fills
     them, prefill chunks of at most 512 tokens then one decoded token (a
     window holds its whole last prefill chunk until the next token trims
-    it), and their `nbytes` summed:
-    packed data, scales, biases and any full-precision part all count.
+    it), and their `nbytes` summed: packed data, scales, biases and any
+    full-precision part all count.
     `bits_per_element` is 8 * bytes / (K and V elements held), so a float16
     cache is 16.0 whatever its layout.
     """
@@ -136,7 +136,7 @@ def held_storage(model: nn.Module, cfg: KVConfig, context: int) -> dict:
         done = 0
         while done < context:
             n = 1 if done == context - 1 else min(512, context - 1 - done)
-            if hasattr(c, "maybe_trim_front"):
+            if p.kind == "chunked":  # as the model does before each forward pass
                 c.maybe_trim_front()
             k = mx.zeros((1, p.kv_heads, n, p.key_dim), dtype)
             v = mx.zeros((1, p.kv_heads, n, p.value_dim), dtype)
