@@ -1,7 +1,9 @@
 """mlx-kvq: quantized KV caches for every attention layout in mlx-lm models.
 
 `import mlx_kvq` stays light: it loads only the settings (`KVConfig`,
-`QuantSpec`, `UnsupportedKVConfig`). Importing anything from mlx-lm loads its
+`QuantSpec`, `UnsupportedKVConfig`) and MLX's core, whose BLAS calls it points
+at OpenBLAS on Linux (`mlx_kvq.blas`; `MLX_KVQ_BLAS=reference` opts out,
+`blas_info()` says which library is in use). Importing anything from mlx-lm loads its
 package `__init__` (transformers, seconds of start-up), so the generation
 entry points and the planner are resolved on first use. Importing the caches
 (which every entry point does) installs the attention redirect and makes our
@@ -13,7 +15,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from .blas import blas_info, enable_fast_blas
 from .config import KVConfig, QuantSpec, UnsupportedKVConfig
+
+enable_fast_blas()
 
 if TYPE_CHECKING:  # pragma: no cover
     from .generate import (
@@ -24,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
         save_prompt_cache,
         stream_generate,
     )
+    from .kernels import native_status
     from .plan import KVPlan, plan_kv
 
 # Public name -> submodule defining it, imported on first access.
@@ -38,6 +44,7 @@ _LAZY = {
     "load_prompt_cache": "generate",
     "plan_kv": "plan",
     "KVPlan": "plan",
+    "native_status": "kernels",
 }
 
 __all__ = [
@@ -45,6 +52,8 @@ __all__ = [
     "KVPlan",
     "QuantSpec",
     "UnsupportedKVConfig",
+    "blas_info",
+    "native_status",
     "generate",
     "generate_step",
     "load_prompt_cache",

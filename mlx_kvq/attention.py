@@ -25,6 +25,8 @@ import mlx.core as mx
 import mlx_lm.models
 import mlx_lm.models.base as mlx_base
 
+from .blas import fast_float32_products
+from .kernels import native_status, packed_scores, packed_weighted
 from .quant import QuantizedKV, rotate
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
@@ -38,15 +40,22 @@ _SCORE_BUDGET = 1 << 24
 
 
 # CPU only: with at least this many query rows per KV head (prefill chunks,
-# speculative verification), scores are computed by dequantizing the keys
-# one block of _KEY_BLOCK tokens at a time and multiplying densely: MLX's CPU
-# `quantized_matmul` with `transpose=True` is several times slower per row
-# than a dense product once there are more than a few rows, while the
-# dequantization is cheap next to the product. Decode (one query per head)
-# keeps `quantized_matmul`, so no dequantized copy of a long cache ever
-# exists; the transient copy here is one block.
+# speculative verification), both products (scores and the weighted values)
+# dequantize K/V one block of _KEY_BLOCK tokens at a time and multiply
+# densely: MLX's CPU `quantized_matmul` is 10-40x slower than a dense float32
+# product once there are more than a few rows (it is not a BLAS call), while
+# the dequantization is cheap next to the product. Decode (a few rows) keeps
+# `quantized_matmul`, so no dequantized copy of a long cache ever exists. A
+# block is `_KEY_BLOCK` tokens, or more while its dequantized copy stays
+# smaller than the score matrix of the same rows (then one block usually
+# covers the cache, saving the concatenation and slicing of scores).
 _DEQUANT_ROWS = 16
 _KEY_BLOCK = 4096
+
+
+def _key_block(rows: int, tokens: int, dim: int) -> int:
+    return max(_KEY_BLOCK, rows * tokens // max(1, dim))
+
 
 # CPU only: attention runs one (sequence, KV head) at a time when there are at
 # most _SPLIT_LIMIT of them and at least _SPLIT_MIN_TOKENS cached tokens.
@@ -63,6 +72,14 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu or not mx.metal.is_available()
 
 
+def _native() -> bool:
+    """Few-row products on the CPU use the native fused kernels when they
+    are built for this MLX (`mlx_kvq.kernels`): they read packed K/V once,
+    5-10x faster than MLX's CPU `quantized_matmul`, and take the caches'
+    strided views without copying them."""
+    return _on_cpu() and native_status().available
+
+
 def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
     """The dtype quantized attention computes in on the current backend."""
     if _on_cpu():
@@ -71,20 +88,27 @@ def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
 
 
 def _dense_dtype(dtype: mx.Dtype) -> mx.Dtype | None:
-    """Dtype of the dense score product over dequantized key blocks, or None
-    to use `quantized_matmul` (Metal: its native kernels are the fast path).
-    On the CPU, bfloat16 models multiply in bfloat16 (MLX's fastest CPU
-    product, and the precision their unquantized attention has); float16 and
-    float32 models multiply in float32."""
+    """Dtype of the dense products over dequantized K/V blocks, or None to
+    use `quantized_matmul` (Metal: its native kernels are the fast path).
+
+    On the CPU: float32 when MLX's float32 products run on a fast BLAS (the
+    default on Linux, `mlx_kvq.blas`), 15-20x faster than MLX's own bfloat16
+    product; with the reference BLAS, bfloat16 models multiply in bfloat16
+    (then the faster of the two, and their unquantized attention's
+    precision) and the others in float32."""
     if not _on_cpu():
         return None
-    return mx.bfloat16 if dtype == mx.bfloat16 else mx.float32
+    if dtype == mx.bfloat16 and not fast_float32_products():
+        return mx.bfloat16
+    return mx.float32
 
 
 def _scores(q: mx.array, k, dtype: mx.Dtype, dense: mx.Dtype | None = None) -> mx.array:
     if isinstance(k, QuantizedKV):
         if dense is not None:
-            return _dense_scores(q, k, dtype, dense)
+            return _dense_scores(q, k, dtype, dense, _key_block(q.shape[-2], *k.shape[-2:]))
+        if _native():
+            return packed_scores(q, k).astype(dtype)
         return mx.quantized_matmul(
             q, k.data, k.scales.astype(dtype), k.biases.astype(dtype),
             transpose=True, group_size=k.group_size, bits=k.bits,
@@ -92,25 +116,49 @@ def _scores(q: mx.array, k, dtype: mx.Dtype, dense: mx.Dtype | None = None) -> m
     return q @ k.astype(dtype).swapaxes(-1, -2)
 
 
-def _dense_scores(q: mx.array, k: QuantizedKV, dtype: mx.Dtype, dense: mx.Dtype) -> mx.array:
-    """q @ K^T with K dequantized `_KEY_BLOCK` tokens at a time."""
-    qd = q.astype(dense)
-    S = k.data.shape[-2]
-    parts = []
-    for start in range(0, S, _KEY_BLOCK):
-        stop = min(S, start + _KEY_BLOCK)
-        blk = k if stop - start == S else k.map(lambda a, i=start, j=stop: a[..., i:j, :])
-        kd = mx.dequantize(
+def _dequantized_blocks(
+    x: QuantizedKV, dense: mx.Dtype, block: int
+) -> Iterator[tuple[int, mx.array]]:
+    """(first token, dequantized block) over `block`-token blocks, in the
+    stored (possibly rotated) basis."""
+    S = x.data.shape[-2]
+    for start in range(0, S, block):
+        stop = min(S, start + block)
+        blk = x if stop - start == S else x.map(lambda a, i=start, j=stop: a[..., i:j, :])
+        yield start, mx.dequantize(
             blk.data, blk.scales.astype(dense), blk.biases.astype(dense),
-            group_size=k.group_size, bits=k.bits,
+            group_size=x.group_size, bits=x.bits,
         )  # fmt: skip
-        parts.append(qd @ kd.swapaxes(-1, -2))
+
+
+def _dense_scores(
+    q: mx.array, k: QuantizedKV, dtype: mx.Dtype, dense: mx.Dtype, block: int
+) -> mx.array:
+    """q @ K^T with K dequantized one block at a time."""
+    qd = q.astype(dense)
+    parts = [qd @ kd.swapaxes(-1, -2) for _, kd in _dequantized_blocks(k, dense, block)]
     scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     return scores.astype(dtype)
 
 
-def _weighted(p: mx.array, v, dtype: mx.Dtype) -> mx.array:
+def _dense_weighted(
+    p: mx.array, v: QuantizedKV, dtype: mx.Dtype, dense: mx.Dtype, block: int
+) -> mx.array:
+    """p @ V with V dequantized one block at a time (partial products summed)."""
+    pd = p.astype(dense)
+    out = None
+    for start, vd in _dequantized_blocks(v, dense, block):
+        part = pd[..., start : start + vd.shape[-2]] @ vd
+        out = part if out is None else out + part
+    return out.astype(dtype)
+
+
+def _weighted(p: mx.array, v, dtype: mx.Dtype, dense: mx.Dtype | None = None) -> mx.array:
     if isinstance(v, QuantizedKV):
+        if dense is not None:
+            return _dense_weighted(p, v, dtype, dense, _key_block(p.shape[-2], *v.shape[-2:]))
+        if _native():
+            return packed_weighted(p, v).astype(dtype)
         return mx.quantized_matmul(
             p, v.data, v.scales.astype(dtype), v.biases.astype(dtype),
             transpose=False, group_size=v.group_size, bits=v.bits,
@@ -168,7 +216,7 @@ def _attend_rows(q, k, v, mask, sinks, dtype, shape, dense=None):
     else:
         p = mx.softmax(scores, axis=-1, precise=True)
     p = p.reshape(B, n_kv, n_rep * L, S)
-    return _weighted(p, v, dtype).reshape(B, n_kv, n_rep, L, -1)
+    return _weighted(p, v, dtype, dense).reshape(B, n_kv, n_rep, L, -1)
 
 
 def _pick(x, b: int, h: int):
@@ -185,7 +233,8 @@ def _attend(q, k, v, mask, sinks, dtype, shape, dense):
     """`_attend_rows`, split per (sequence, KV head) on the CPU (see _SPLIT_LIMIT)."""
     B, n_kv, n_rep, L = shape
     few = 1 < B * n_kv <= _SPLIT_LIMIT
-    if not few or k.shape[2] < _SPLIT_MIN_TOKENS or not _on_cpu():
+    native_rows = n_rep * L < _DEQUANT_ROWS and _native()  # reads the views in place
+    if not few or k.shape[2] < _SPLIT_MIN_TOKENS or not _on_cpu() or native_rows:
         return _attend_rows(q, k, v, mask, sinks, dtype, shape, dense)
     if sinks is not None:
         sinks = sinks.reshape(n_kv, n_rep)

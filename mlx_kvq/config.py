@@ -90,12 +90,13 @@ class QuantSpec:
 class KVConfig:
     """Everything the user asked of the KV cache, in mlx-lm's vocabulary.
 
-    `bits` is `--kv-bits`; `key_bits`/`value_bits` override it per tensor.
+    `bits` is `--kv-bits`; `key_bits`/`value_bits` override it per tensor
+    (None: take `bits`; 0: that tensor unquantized).
     `window_bits` (`--kv-window-bits`) gives keys and values of *bounded*
     layers (sliding windows, chunked attention, full attention bounded by
     `--max-kv-size`) their own width: their bytes stop growing with the
     context, so extra precision there costs a fixed amount. None: the same
-    widths as every other layer.
+    widths as every other layer; 0: bounded layers unquantized.
     `quantized_start` is `--quantized-kv-start`: caches hold full precision
     until they reach that many tokens, then convert in place.
     """
@@ -116,11 +117,16 @@ class KVConfig:
         self.key_spec  # noqa: B018
         self.value_spec  # noqa: B018
         if self.window_bits is not None:
-            QuantSpec(self.window_bits, self.group_size)
+            QuantSpec(self.window_bits or None, self.group_size)
             if not self.enabled:
                 raise ValueError(
                     "--kv-window-bits sets the width of bounded layers of a quantized cache: "
                     "give --kv-bits (or --kv-key-bits / --kv-value-bits) too"
+                )
+            if self.window_bits == 0 and not self.allow_partial:
+                raise ValueError(
+                    "--kv-window-bits 0 leaves bounded layers unquantized: pass "
+                    "--allow-partial-kv together with it"
                 )
         if self.quantized_start < 0:
             raise ValueError(f"quantized kv start must be >= 0, got {self.quantized_start}")
@@ -136,12 +142,12 @@ class KVConfig:
     @property
     def key_spec(self) -> QuantSpec:
         bits = self.key_bits if self.key_bits is not None else self.bits
-        return QuantSpec(bits, self.group_size, self.rotation if bits else "none")
+        return QuantSpec(bits or None, self.group_size, self.rotation if bits else "none")
 
     @property
     def value_spec(self) -> QuantSpec:
         bits = self.value_bits if self.value_bits is not None else self.bits
-        return QuantSpec(bits, self.group_size, self.rotation if bits else "none")
+        return QuantSpec(bits or None, self.group_size, self.rotation if bits else "none")
 
     @property
     def enabled(self) -> bool:
@@ -152,7 +158,8 @@ class KVConfig:
         tokens: sliding, chunked, `--max-kv-size`) take `window_bits` when set."""
         if not bounded or self.window_bits is None:
             return self.key_spec, self.value_spec
-        spec = QuantSpec(self.window_bits, self.group_size, self.rotation)
+        bits = self.window_bits
+        spec = QuantSpec(bits or None, self.group_size, self.rotation if bits else "none")
         return spec, spec
 
     def with_(self, **changes) -> KVConfig:
@@ -168,6 +175,17 @@ class KVConfig:
         if self.quantized_start:
             text += f", from token {self.quantized_start}"
         return text
+
+    def as_kwargs(self) -> dict:
+        """The setting as the keyword arguments `from_args` (and mlx-lm's
+        generation functions, with ours added) take: its exact inverse."""
+        return {
+            "kv_bits": self.bits, "kv_group_size": self.group_size,
+            "kv_key_bits": self.key_bits, "kv_value_bits": self.value_bits,
+            "kv_rotation": self.rotation, "quantized_kv_start": self.quantized_start,
+            "max_kv_size": self.max_kv_size, "allow_partial_kv": self.allow_partial,
+            "kv_skip_layers": self.skip_layers, "kv_window_bits": self.window_bits,
+        }  # fmt: skip
 
     @classmethod
     def from_args(
@@ -185,7 +203,7 @@ class KVConfig:
     ) -> KVConfig:
         """Build from mlx-lm style keyword names (the CLI flag names)."""
         return cls(
-            bits=kv_bits,
+            bits=kv_bits or None,
             group_size=kv_group_size,
             key_bits=kv_key_bits,
             value_bits=kv_value_bits,

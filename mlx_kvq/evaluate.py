@@ -21,16 +21,13 @@ packed data, scales, biases and any full-precision part) at `context` tokens
 and at `HELD_CONTEXT` tokens.
 
 `evaluate` measures one setting; `evaluate_many` measures several against one
-shared unquantized run. `add_eval_args` / `run_eval` are the `mlx-kvq eval`
-subcommand; `python -m mlx_kvq.evaluate` runs it standalone. With no
-`--model`, the embedded demo model and its two texts are used: the held-out
-KJV books (in domain) and modern technical English (out of domain).
+shared unquantized run (`mlx-kvq eval` is `mlx_kvq/commands/eval.py`). With
+no model given, the embedded demo model and its two texts are used: the
+held-out KJV books (in domain) and modern technical English (out of domain).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 import time
@@ -43,7 +40,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from .config import ROTATIONS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVConfig, UnsupportedKVConfig
+from .config import KVConfig
 from .generate import get_plan
 
 DEFAULT_CONTEXT = 512
@@ -64,7 +61,9 @@ def window_starts(n_tokens: int, context: int, windows: int) -> list[int]:
     return starts
 
 
-def _windows(tokens: Sequence[int], context: int, windows: int, bos: int | None) -> list[list[int]]:
+def cut_windows(
+    tokens: Sequence[int], context: int, windows: int, bos: int | None
+) -> list[list[int]]:
     """Token windows of `context` tokens; each starts with `bos` when given
     (a window cut from the middle of the text gets it prepended)."""
     tokens = list(tokens)
@@ -224,7 +223,7 @@ def evaluate_many(
         if c.enabled:
             get_plan(model, c)
 
-    wins = _windows(tokens, context, windows, bos)
+    wins = cut_windows(tokens, context, windows, bos)
     if only_windows is not None:
         wins = [wins[i] for i in only_windows]
     n_chunks = sum(len(_spans(len(w) - 1, chunk, decode)) for w in wins)
@@ -392,103 +391,6 @@ def format_text_table(results: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-# -- command line ----------------------------------------------------------------
-def _bits(text: str) -> int:
-    b = int(text)
-    if b != 0 and b not in SUPPORTED_BITS:
-        raise argparse.ArgumentTypeError(f"bits must be one of {SUPPORTED_BITS} (0: unquantized)")
-    return b
-
-
-def kv_config_from_eval_args(args: argparse.Namespace) -> KVConfig:
-    """The setting to evaluate. With none of the bits flags, the default
-    setting of `mlx_kvq/defaults.py` (as `mlx-kvq serve/generate` use);
-    `--kv-bits 0` evaluates unquantized caches (a null check: KL 0)."""
-    from .defaults import resolve_widths
-
-    w = resolve_widths(
-        args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation,
-        args.kv_window_bits,
-    )  # fmt: skip
-    return KVConfig.from_args(
-        kv_bits=w.bits or None, kv_group_size=args.kv_group_size,
-        kv_key_bits=w.key_bits or None, kv_value_bits=w.value_bits or None,
-        kv_rotation=w.rotation, kv_window_bits=w.window_bits,
-    )  # fmt: skip
-
-
-def add_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of `mlx-kvq eval`."""
-    parser.add_argument(
-        "--model",
-        type=str,
-        default=None,
-        help="model path or repo (default: the embedded demo model)",
-    )
-    parser.add_argument(
-        "--text",
-        type=Path,
-        action="append",
-        default=None,
-        help="text file to evaluate on; repeat for several (default with the demo model: "
-        "its held-out KJV text and its out-of-domain modern English text)",
-    )
-    parser.add_argument(
-        "--kv-bits",
-        type=_bits,
-        default=None,
-        help="bits for keys and values (default: the default setting of mlx_kvq/defaults.py; "
-        "0: unquantized)",
-    )
-    parser.add_argument("--kv-key-bits", type=_bits, default=None, help="bits for keys")
-    parser.add_argument("--kv-value-bits", type=_bits, default=None, help="bits for values")
-    parser.add_argument(
-        "--kv-window-bits",
-        type=int,
-        choices=SUPPORTED_BITS,
-        default=None,
-        help="bits for keys and values of bounded layers (sliding window, chunked); "
-        "default: as the other layers (with no bits flag: the default setting's)",
-    )
-    parser.add_argument("--kv-group-size", type=int, default=64, choices=SUPPORTED_GROUP_SIZES)
-    parser.add_argument(
-        "--kv-rotation",
-        default=None,
-        choices=ROTATIONS,
-        help="Hadamard-rotate keys and values before quantizing (default: none, or the "
-        "default setting's when no bits are given)",
-    )
-    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per window")
-    parser.add_argument(
-        "--chunk",
-        type=int,
-        default=DEFAULT_CHUNK,
-        help="tokens fed per forward pass (prefill chunk)",
-    )
-    parser.add_argument(
-        "--windows",
-        type=int,
-        default=DEFAULT_WINDOWS,
-        help="windows of --context tokens spread over each text",
-    )
-    parser.add_argument(
-        "--decode",
-        type=int,
-        default=0,
-        help="feed the last N positions of each window one token at a time (decode path)",
-    )
-    parser.add_argument(
-        "--held-context",
-        type=int,
-        default=HELD_CONTEXT,
-        help="context at which bits per element are measured from the bytes held "
-        f"(default {HELD_CONTEXT})",
-    )
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser  # fmt: skip
-
-
 def load_eval_inputs(model_path: str | None, text_paths: Sequence[Path] | None):
     """(model, tokenizer, {text name: (token ids, bos id or None)}) for an eval run.
 
@@ -520,57 +422,3 @@ def load_eval_inputs(model_path: str | None, text_paths: Sequence[Path] | None):
             bos = None
         out[name] = (ids, bos)
     return model, tokenizer, out
-
-
-def run_eval(args: argparse.Namespace) -> int:
-    """`mlx-kvq eval`: print a table (or JSON) for one KV setting on each text."""
-    try:
-        cfg = kv_config_from_eval_args(args)
-        model, _, texts = load_eval_inputs(args.model, args.text)
-        results = []
-        for name, (ids, bos) in texts.items():
-            r = evaluate(
-                model, ids, cfg, context=args.context, chunk=args.chunk, windows=args.windows,
-                bos=bos, progress=False if args.no_progress else None,
-                decode=getattr(args, "decode", 0), held_context=args.held_context,
-            )  # fmt: skip
-            results.append({"text": name, **r})
-    except (ValueError, UnsupportedKVConfig, FileNotFoundError) as e:
-        print(f"mlx-kvq eval: error: {e}", file=sys.stderr)
-        return 2
-    r0 = results[0]
-    shared = ("setting", "kv_config", "bits_per_element", "held_context", "kv_bytes")
-    report = {
-        "model": args.model or "demo",
-        **{k: r0[k] for k in shared if k in r0},
-        "texts": [{k: v for k, v in r.items() if k not in shared} for r in results],
-    }
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    held = r0.get("held_context", r0["context"])
-    print(
-        f"model {report['model']}, KV {r0['setting']}: {r0['bits_per_element']:.2f} bits per "
-        f"element held at {held} tokens"
-    )
-    print(
-        f"{r0['windows']} windows x {r0['context']} tokens per text, chunks of {r0['chunk']}"
-        + (f" then {r0['decode']} one-token steps" if r0["decode"] else "")
-        + "; ± is the standard error across windows"
-    )
-    print(format_text_table(results))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m mlx_kvq.evaluate",
-        description="Perplexity, KL and top-1 agreement of quantized KV caches "
-        "against unquantized ones on a held-out text.",
-    )
-    add_eval_args(parser)
-    return run_eval(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,19 +24,16 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 
-from .caches import quantize_cache
 from .config import KVConfig, UnsupportedKVConfig
-from .plan import KVPlan, plan_kv
+from .plan import KV_KINDS, KVPlan, plan_kv, twin_slot
+from .speculative import check_speculative_caches, split_caches
 
 # `mlx_lm.generate` the attribute is a function; the module is what we need.
 mlx_generate = importlib.import_module("mlx_lm.generate")
 
 _PLANS: dict[int, dict] = {}
 
-KV_KEYS = (
-    "kv_bits", "kv_group_size", "kv_key_bits", "kv_value_bits", "kv_rotation",
-    "quantized_kv_start", "max_kv_size", "allow_partial_kv", "kv_skip_layers", "kv_window_bits",
-)  # fmt: skip
+KV_KEYS = tuple(KVConfig().as_kwargs())  # the KV keywords our generation functions add
 
 
 def kv_config_from_kwargs(kwargs: dict) -> KVConfig:
@@ -87,29 +84,17 @@ def make_prompt_cache(
 
 def quantize_prompt_cache(prompt_cache: list, plan: KVPlan) -> list:
     """Replace, in place, filled unquantized entries with their quantized twins
-    (position, ring index and sink tokens preserved)."""
-    by_slot = {(p.slot, p.member): p for p in plan.layers}
-    start = plan.config.quantized_start
-
-    def convert(c, slot: int, member: int | None):
-        p = by_slot.get((slot, member))
-        if p is None:
-            k, v = plan.config.specs()
-            return quantize_cache(c, k, v, start)
-        if not p.is_kv or p.skipped:
-            return c
-        return quantize_cache(c, p.key_spec, p.value_spec, start, p.hand_out)
-
+    as planned, `CacheList` members included (position, ring index and sink
+    tokens preserved)."""
     for i, c in enumerate(prompt_cache):
-        if type(c) is mlx_cache.CacheList:
-            members = [convert(m, i, j) for j, m in enumerate(c.caches)]
-            prompt_cache[i] = mlx_cache.CacheList(*members)
-        else:
-            prompt_cache[i] = convert(c, i, None)
+        prompt_cache[i] = twin_slot(plan, i, c)
     return prompt_cache
 
 
-def _prepare_cache(model: nn.Module, prompt_cache: list | None, cfg: KVConfig) -> list | None:
+def prepare_cache(model: nn.Module, prompt_cache: list | None, cfg: KVConfig) -> list | None:
+    """The caches to generate with: the plan's (or, unquantized, mlx-lm's with
+    `max_kv_size`), or `prompt_cache` quantized in place as planned; None when
+    unquantized with nothing to bound (mlx-lm then makes its own)."""
     if not cfg.enabled:
         if prompt_cache is None and cfg.max_kv_size is not None:
             return mlx_cache.make_prompt_cache(model, max_kv_size=cfg.max_kv_size)
@@ -153,7 +138,7 @@ def generate_step(
         kv_bits, kv_group_size, kv_key_bits, kv_value_bits, kv_rotation,
         quantized_kv_start, max_kv_size, kv_window_bits=kv_window_bits,
     )  # fmt: skip
-    prompt_cache = _prepare_cache(model, prompt_cache, cfg)
+    prompt_cache = prepare_cache(model, prompt_cache, cfg)
     yield from mlx_generate.generate_step(
         prompt, model, stream,
         max_tokens=max_tokens, sampler=sampler, logits_processors=logits_processors,
@@ -168,12 +153,16 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
     cfg = kv_config_from_kwargs(kwargs)
     prompt_cache = kwargs.pop("prompt_cache", None)
     if draft_model is None:
-        kwargs["prompt_cache"] = _prepare_cache(model, prompt_cache, cfg)
+        kwargs["prompt_cache"] = prepare_cache(model, prompt_cache, cfg)
         yield from mlx_generate.stream_generate(model, tokenizer, prompt, max_tokens, **kwargs)
         return
-    from .speculative import speculative_caches
-
-    kwargs["prompt_cache"] = speculative_caches(model, draft_model, prompt_cache, cfg)
+    model_cache, draft_cache = split_caches(model, prompt_cache)
+    model_cache = prepare_cache(model, model_cache, cfg) or mlx_cache.make_prompt_cache(model)
+    draft_cache = prepare_cache(draft_model, draft_cache, cfg) or mlx_cache.make_prompt_cache(
+        draft_model
+    )
+    check_speculative_caches(model, draft_model, model_cache, draft_cache)
+    kwargs["prompt_cache"] = list(model_cache) + list(draft_cache)
     yield from mlx_generate.stream_generate(
         model, tokenizer, prompt, max_tokens, draft_model=draft_model, **kwargs
     )
@@ -213,11 +202,10 @@ def save_prompt_cache(file_name: str, cache: list, metadata: dict[str, str] | No
 
 def _cache_settings(cache: list) -> str:
     """Each layout's settings once, in layer order ("sliding K 8b/g64 V 8b/g64; full ...")."""
-    from .caches import KVQCache
+    from .caches import KVQCache, leaves
 
-    leaves = [x for c in cache for x in (c.caches if type(c) is mlx_cache.CacheList else [c])]
-    seen = dict.fromkeys(c.describe() for c in leaves if isinstance(c, KVQCache))
-    return "; ".join(seen) or "unquantized"
+    found = [leaf for c in cache for leaf in leaves(c) if isinstance(leaf, KVQCache)]
+    return "; ".join(dict.fromkeys(leaf.describe() for leaf in found)) or "unquantized"
 
 
 def load_prompt_cache(
@@ -255,12 +243,22 @@ def _meta_order(key: str):
 def check_prompt_cache_settings(
     cache: list, expect: KVConfig, source: str = "prompt cache"
 ) -> None:
-    """Refuse caches stored with KV settings other than `expect`, layer by layer."""
-    from .caches import KVQCache
+    """Refuse caches stored with KV settings other than `expect`, layer by layer
+    (slots `expect` skips must hold unquantized caches, the others quantized;
+    container slots leaf by leaf)."""
+    from .caches import KVQCache, leaves, lookup
 
     for i, c in enumerate(cache):
-        leaves = c.caches if isinstance(c, mlx_cache.CacheList) else [c]
-        for leaf in leaves:
+        if i in expect.skip_layers:
+            if any(isinstance(leaf, KVQCache) for leaf in leaves(c)):
+                raise UnsupportedKVConfig(
+                    f"{source}: layer {i} holds quantized caches, but "
+                    "--kv-skip-layers leaves it unquantized; rebuild the prompt cache with "
+                    "these settings or pass the settings it was made with"
+                )
+            continue
+        for leaf in leaves(c):
+            kind = lookup(leaf)
             if isinstance(leaf, KVQCache):
                 got = (leaf.key_spec, leaf.value_spec)
                 want = expect.specs(bounded=leaf.bounded)
@@ -270,7 +268,7 @@ def check_prompt_cache_settings(
                         f"{expect.describe()} was requested; rebuild the prompt cache with "
                         "these settings or pass the settings it was made with"
                     )
-            elif expect.enabled and type(leaf) in (mlx_cache.KVCache, mlx_cache.RotatingKVCache):
+            elif expect.enabled and kind is not None and kind.name in (*KV_KINDS, "layer"):
                 raise UnsupportedKVConfig(
                     f"{source}: layer {i} is unquantized ({type(leaf).__name__}), but "
                     f"{expect.describe()} was requested"

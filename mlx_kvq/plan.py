@@ -26,8 +26,19 @@ import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 
 from . import attention
-from .caches import DEQUANTIZED, PACKED, KVQWindowCache, lookup, quantize_cache
+from .caches import (
+    DEQUANTIZED,
+    PACKED,
+    KVQIndexerCache,
+    KVQLayerCache,
+    KVQWindowCache,
+    is_twin,
+    lookup,
+    quantize_cache,
+)
+from .caches.layer import FIELDS
 from .config import KVConfig, QuantSpec, UnsupportedKVConfig
+from .mlx_lm_internals import model_classes
 
 # Model code that cannot take packed K/V: it calls array methods on the
 # cached tensors (latent attention, sparse indexers) or bypasses mlx-lm's
@@ -36,27 +47,51 @@ from .config import KVConfig, QuantSpec, UnsupportedKVConfig
 # catches any model not listed here.
 DEQUANTIZED_MODELS = frozenset(
     {
-        "bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "gemma2", "glm4_moe_lite",
-        "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl", "longcat_flash", "mistral4",
-        "phi", "phi3small", "phixtral", "plamo", "plamo2", "stablelm",
+        "bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "deepseek_v32", "deepseek_v41", "gemma2",
+        "glm4_moe_lite", "glm_moe_dsa", "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl",
+        "longcat_flash", "mistral4", "phi", "phi3small", "phixtral", "plamo", "plamo2",
+        "stablelm",
     }
 )  # fmt: skip
 
+# Sparse-attention models whose every `CacheList` slot holds, at this member,
+# the indexer's keys next to the attention cache (read from the model code:
+# the indexer scores them with array code and touches the cache's `.keys` /
+# `.values` directly). Those members get `KVQIndexerCache`: keys only,
+# quantized, handed out dequantized.
+INDEXER_MEMBERS = {"deepseek_v32": 1, "glm_moe_dsa": 1, "minimax_m3_vl": 1}
+
 # Model code that cannot work with any cache object other than mlx-lm's own:
 # refused at plan time with the reason (found by the architecture sweep).
-_INDEXER = (
-    "its sparse-attention indexer writes arrays into the caches' `.keys`/`.values` "
-    "attributes directly (mx.depends / zeros_like), which only mlx-lm's array-backed "
-    "caches allow"
-)
-REFUSED_MODELS = {
-    "deepseek_v32": _INDEXER,
-    "glm_moe_dsa": _INDEXER,
-    "minimax_m3_vl": _INDEXER,
-    "deepseek_v41": "it uses its own cache class (LayerCache), which mlx-kvq has not declared",
-}
+# Every architecture mlx-lm 0.32.2 ships is served now; kept for new ones.
+REFUSED_MODELS: dict[str, str] = {}
 
-KV_KINDS = ("full", "sliding", "chunked")
+KV_KINDS = ("full", "sliding", "chunked", "indexer", "compressed")
+
+# deepseek_v41's LayerCache: its KV fields in member order, then the open
+# compression group (working state); see caches/layer.py.
+LAYER_FIELDS = (*FIELDS, "pending")
+
+
+def layer_cache_fields(model, slot: int) -> dict[str, int]:
+    """The KV fields deepseek_v41's layer `slot` fills in its LayerCache, with
+    the tokens per row: every layer keeps a window; a layer that compresses
+    its own KV (a "kv source" with a ratio) adds the compressed rows, and the
+    index keys when it is also an index source (read from its attention
+    module, as the model code decides it)."""
+    if model.model.pipeline_size > 1:
+        raise UnsupportedKVConfig(
+            "deepseek_v41 under pipeline parallelism passes compressed KV between stages "
+            "through the first layer's LayerCache, which mlx-kvq has not declared; use "
+            "tensor parallelism, or run without --kv-bits"
+        )
+    attn = model.layers[slot].self_attn
+    fields = {"window": 1}
+    if attn.ratio and attn.is_kv_source:
+        fields["compress_kv"] = attn.ratio
+        if attn.is_index_source:
+            fields["index_k"] = attn.ratio
+    return fields
 
 
 @dataclass(frozen=True)
@@ -64,7 +99,7 @@ class LayerPlan:
     """What one cache slot gets."""
 
     slot: int
-    kind: str  # full | sliding | chunked | state | unused
+    kind: str  # full | sliding | chunked | indexer | compressed | state | unused
     window: int | None
     key_spec: QuantSpec
     value_spec: QuantSpec
@@ -74,7 +109,8 @@ class LayerPlan:
     hand_out: str = PACKED
     skipped: bool = False
     state_bytes: int = 0
-    member: int | None = None  # position inside a CacheList slot
+    member: int | None = None  # position inside a container slot (CacheList, LayerCache)
+    ratio: int = 1  # tokens per stored row (compressed rows)
 
     @property
     def is_kv(self) -> bool:
@@ -88,7 +124,8 @@ class LayerPlan:
             and (self.key_spec.quantized or self.value_spec.quantized)
         )
 
-    def bytes_per_token(self, quantized: bool = True) -> float:
+    def bytes_per_row(self, quantized: bool = True) -> float:
+        """Bytes one stored row (one token, or one compressed group) costs."""
         if not self.is_kv:
             return 0.0
         k = self.key_spec if quantized and not self.skipped else QuantSpec(None)
@@ -97,18 +134,28 @@ class LayerPlan:
             self.key_dim * k.bytes_per_element() + self.value_dim * v.bytes_per_element()
         )
 
-    def tokens_held(self, context: int) -> int:
-        return context if self.window is None else min(context, self.window)
+    def bytes_per_token(self, quantized: bool = True) -> float:
+        return self.bytes_per_row(quantized) / self.ratio
+
+    def rows_held(self, context: int) -> int:
+        """Rows stored after `context` tokens."""
+        tokens = context if self.window is None else min(context, self.window)
+        return tokens // self.ratio
 
     def label(self) -> str:
+        if self.kind == "state" and self.ratio > 1:
+            return f"state (open group of < {self.ratio} rows, not KV)"
         if self.kind == "state":
             return "state (recurrent, not a KV cache)"
         if self.kind == "unused":
             return "unused (the model never stores K/V here)"
         text = self.kind if self.window is None else f"{self.kind}({self.window})"
+        if self.ratio > 1:
+            text += f" 1/{self.ratio}"
         if self.skipped:
             return f"{text} UNQUANTIZED (skipped on request)"
-        text += f" K {self.key_spec.describe()} V {self.value_spec.describe()}"
+        text += f" K {self.key_spec.describe()}"
+        text += f" V {self.value_spec.describe()}" if self.value_dim else " (keys only)"
         if self.hand_out == DEQUANTIZED:
             text += " [dequantized hand-out]"
         return text
@@ -126,6 +173,7 @@ class KVPlan:
     sinks: bool = False
     batch: bool = False
     max_context: int | None = None
+    max_batch: int | None = None  # sequences one batch may hold (None: no limit)
     notes: list[str] = field(default_factory=list)
     _model: object = field(default=None, repr=False, compare=False)
 
@@ -139,6 +187,16 @@ class KVPlan:
         return build_caches(self._model, self)
 
     # -- facts --------------------------------------------------------------
+    def layer(self, slot: int, member: int | None = None) -> LayerPlan:
+        """The plan of one cache slot (of one member of a `CacheList` slot)."""
+        for p in self.layers:
+            if p.slot == slot and p.member == member:
+                return p
+        raise KeyError(
+            f"the plan has no cache slot {slot}"
+            + (f" member {member}" if member is not None else "")
+        )
+
     @property
     def kv_layers(self) -> list[LayerPlan]:
         return [p for p in self.layers if p.is_kv]
@@ -157,7 +215,9 @@ class KVPlan:
 
     @property
     def partial(self) -> bool:
-        return any(p.skipped for p in self.kv_layers)
+        """Some KV layer left unquantized on request (`--kv-skip-layers`,
+        `--kv-window-bits 0`)."""
+        return self.config.enabled and any(not p.quantized for p in self.kv_layers)
 
     @property
     def bytes_per_token(self) -> int:
@@ -170,9 +230,9 @@ class KVPlan:
             entry = by_kind.setdefault(p.kind, {"layers": 0, "bytes": 0, "fp16_bytes": 0})
             entry["layers"] += 1
             if p.is_kv:
-                n = p.tokens_held(context) * batch
-                entry["bytes"] += round(p.bytes_per_token() * n)
-                entry["fp16_bytes"] += round(p.bytes_per_token(quantized=False) * n)
+                n = p.rows_held(context) * batch
+                entry["bytes"] += round(p.bytes_per_row() * n)
+                entry["fp16_bytes"] += round(p.bytes_per_row(quantized=False) * n)
             else:
                 entry["bytes"] += p.state_bytes * batch
                 entry["fp16_bytes"] += p.state_bytes * batch
@@ -270,44 +330,117 @@ def _prototype(model, max_kv_size: int | None) -> list:
     return mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
 
 
-def _flatten(caches: list) -> list[tuple[int, int | None, object]]:
+@dataclass(frozen=True)
+class _LayerLeaf:
+    """One field of an mlx-lm deepseek_v41 `LayerCache`, planned as a leaf."""
+
+    cache: object
+    field: str
+    ratio: int
+
+
+def _flatten(caches: list, model=None) -> list[tuple[int, int | None, object]]:
+    """(slot, member, leaf) for every cache leaf: `CacheList` members; the
+    fields of a deepseek_v41 `LayerCache` (declared from `model`) or of its
+    twin; else the slot's cache."""
     out = []
     for slot, c in enumerate(caches):
+        kind = lookup(c)
         if type(c) is mlx_cache.CacheList:
             out.extend((slot, m, member) for m, member in enumerate(c.caches))
+        elif type(c) is KVQLayerCache:
+            out.extend((slot, _member(leaf), leaf) for leaf in c.caches)
+        elif kind is not None and kind.name == "layer":
+            fields = layer_cache_fields(model, slot)
+            for m, name in enumerate(FIELDS):
+                if name in fields:
+                    out.append((slot, m, _LayerLeaf(c, name, fields[name])))
+            if fields.get("compress_kv", 1) > 1:
+                pending = LAYER_FIELDS.index("pending")
+                out.append((slot, pending, _LayerLeaf(c, "pending", fields["compress_kv"])))
         else:
             out.append((slot, None, c))
     return out
+
+
+def _member(leaf) -> int:
+    """A `KVQLayerCache` leaf's member number (its field's place in LAYER_FIELDS)."""
+    return LAYER_FIELDS.index(leaf.field)
+
+
+def _layer_leaf(leaf: _LayerLeaf) -> tuple[str, int | None, int]:
+    """(kind, window, ratio) of a LayerCache field."""
+    if leaf.field == "window":
+        return "sliding", leaf.cache.window_size, 1
+    if leaf.field == "pending":
+        return "state", None, leaf.ratio
+    return ("compressed" if leaf.field == "compress_kv" else "indexer"), None, leaf.ratio
+
+
+def _shape_layer_leaf(p: LayerPlan, leaf: _LayerLeaf, cfg: KVConfig) -> LayerPlan:
+    """Dims of a probed LayerCache field (one row serves as key and value)."""
+    if leaf.field == "pending":
+        rows = leaf.cache.compress_kv
+        dim = 0 if rows is None else rows.shape[-1]
+        # At most ratio - 1 float32 rows of KV and of gate.
+        return _replace(p, state_bytes=2 * (leaf.ratio - 1) * dim * 4)
+    rows = getattr(leaf.cache, leaf.field)
+    if rows is None:
+        raise UnsupportedKVConfig(
+            f"cache slot {p.slot}: deepseek_v41 is declared to fill LayerCache.{leaf.field} "
+            "here, but the probe left it empty; the declaration (layer_cache_fields in "
+            "mlx_kvq/plan.py) does not match this mlx-lm version"
+        )
+    p = _replace(p, kv_heads=1, key_dim=rows.shape[-1], value_dim=0, hand_out=DEQUANTIZED)
+    if p.quantized:
+        where = f"cache slot {p.slot} (LayerCache.{leaf.field})"
+        p.key_spec.check_dim(p.key_dim, where)
+        if cfg.rotation == "hadamard":
+            _check_rotation(p.key_dim, p.key_dim, where)
+    return p
 
 
 def build_caches(model, plan: KVPlan, start: int | None = None) -> list:
     """Quantized caches for one sequence following `plan` (`start` overrides
     the plan's `quantized_kv_start`)."""
     proto = _prototype(model, plan.config.max_kv_size)
-    by_slot = {(p.slot, p.member): p for p in plan.layers}
+
+    return [twin_slot(plan, slot, c, start) for slot, c in enumerate(proto)]
+
+
+def twin_slot(plan: KVPlan, slot: int, cache, start: int | None = None):
+    """What `plan` puts in cache slot `slot` in place of `cache` (an mlx-lm
+    cache of that slot, empty or filled; `CacheList` members one by one)."""
     start = plan.config.quantized_start if start is None else start
-
-    def convert(slot: int, member: int | None, c):
-        p = by_slot[(slot, member)]
-        if not p.is_kv or p.skipped:
-            return c
-        if p.kind == "full" and p.window is not None:
-            return KVQWindowCache(
-                p.window, p.key_spec, p.value_spec, keep=0 if plan.batch else 4,
-                start=start, hand_out=p.hand_out,
-            )  # fmt: skip
-        return quantize_cache(c, p.key_spec, p.value_spec, start, p.hand_out)
-
-    out = []
-    for slot, c in enumerate(proto):
-        if type(c) is mlx_cache.CacheList:
-            out.append(mlx_cache.CacheList(*(convert(slot, m, x) for m, x in enumerate(c.caches))))
-        else:
-            out.append(convert(slot, None, c))
-    return out
+    kind = lookup(cache)
+    if kind is not None and kind.name == "layer" and not is_twin(cache):
+        members = [p for p in plan.layers if p.slot == slot and p.is_kv and not p.skipped]
+        if not members:
+            return cache
+        fields = {LAYER_FIELDS[p.member]: (p.ratio, p.key_spec, p.value_spec) for p in members}
+        return KVQLayerCache.from_cache(cache, fields, start)
+    if type(cache) is mlx_cache.CacheList:
+        return mlx_cache.CacheList(
+            *(_twin(plan, plan.layer(slot, m), c, start) for m, c in enumerate(cache.caches))
+        )
+    return _twin(plan, plan.layer(slot), cache, start)
 
 
-def _model_type(model) -> str:
+def _twin(plan: KVPlan, p: LayerPlan, c, start: int):
+    if not p.is_kv or p.skipped or is_twin(c):
+        return c
+    if p.kind == "indexer":
+        return KVQIndexerCache.from_cache(c, p.key_spec, p.value_spec, start, p.hand_out)
+    if p.kind == "full" and p.window is not None and c.empty():
+        return KVQWindowCache(
+            p.window, p.key_spec, p.value_spec, keep=0 if plan.batch else 4,
+            start=start, hand_out=p.hand_out,
+        )  # fmt: skip
+    return quantize_cache(c, p.key_spec, p.value_spec, start, p.hand_out)
+
+
+def model_type_of(model) -> str:
+    """The model's `model_type` (its config's), or its module name."""
     args = getattr(model, "args", None)
     mt = getattr(args, "model_type", None)
     if mt:
@@ -317,23 +450,21 @@ def _model_type(model) -> str:
 
 def model_from_config(config: dict | str | Path) -> nn.Module:
     """Build a model from `config.json` without loading (or materialising) weights."""
-    from mlx_lm.utils import _get_classes
-
     if not isinstance(config, dict):
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
         config = json.loads(path.read_text())
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
-    attention.install()
+    attention.install()  # modules imported just now bind mlx-lm's attention: redirect them
     return model
 
 
-def _probe(model, caches: list) -> tuple[object, list]:
-    """Lazy forward pass (2 tokens, then 1): builds the graph, computes nothing."""
+def _probe(model, caches: list, prefill: int = 2) -> tuple[object, list]:
+    """Lazy forward pass (`prefill` tokens, then 1): builds the graph, computes nothing."""
     with attention.count_attention() as counts:
-        model(mx.array([[1, 2]]), cache=caches)
-        model(mx.array([[3]]), cache=caches)
+        model(mx.arange(1, prefill + 1)[None], cache=caches)
+        model(mx.array([[prefill + 1]]), cache=caches)
     return counts, caches
 
 
@@ -361,14 +492,14 @@ def plan_kv(
         else model_from_config(model_or_config)
     )
     attention.install()
-    model_type = _model_type(model)
+    model_type = model_type_of(model)
     if cfg.enabled and model_type in REFUSED_MODELS:
         raise UnsupportedKVConfig(
             f"{model_type}: KV quantization is not supported: {REFUSED_MODELS[model_type]}. "
             "Run without --kv-bits"
         )
     proto = _prototype(model, cfg.max_kv_size)
-    flat = _flatten(proto)
+    flat = _flatten(proto, model)
     slots = len(proto)
     for s in cfg.skip_layers:
         if s >= slots:
@@ -378,8 +509,10 @@ def plan_kv(
 
     layers: list[LayerPlan] = []
     notes: list[str] = []
+    indexer = INDEXER_MEMBERS.get(model_type)
     for slot, member, c in flat:
-        kind = lookup(c)
+        field = c.field if type(c) is _LayerLeaf else None
+        kind = lookup(c.cache if field else c)
         where = f"cache slot {slot}" + (f" member {member}" if member is not None else "")
         if kind is None:
             raise UnsupportedKVConfig(
@@ -387,35 +520,63 @@ def plan_kv(
                 f"cache kind of mlx-kvq, so it cannot be quantized (model {model_type}); "
                 "declare it in mlx_kvq/caches/registry.py or run without --kv-bits"
             )
-        window = kind.window(c)
-        if kind.name == "full" and cfg.max_kv_size is not None:
+        if field is not None:
+            name, window, ratio = _layer_leaf(c)
+        else:
+            name, window, ratio = kind.name, kind.window(c), 1
+        if indexer is not None and member == indexer:
+            if type(c) is not mlx_cache.KVCache:
+                raise UnsupportedKVConfig(
+                    f"{where}: {model_type} is declared to keep its indexer keys in a KVCache "
+                    f"here, but the model made a {type(c).__name__}; the declaration "
+                    "(INDEXER_MEMBERS in mlx_kvq/plan.py) does not match this mlx-lm version"
+                )
+            name = "indexer"
+        if name == "full" and cfg.max_kv_size is not None:
             window = cfg.max_kv_size
         if kind.name == "sliding" and getattr(c, "keep", 0) and batch:
             notes.append(f"{where}: sink tokens (keep={c.keep}) are not kept in batched windows")
         skipped = slot in cfg.skip_layers
         key_spec, value_spec = cfg.specs(bounded=window is not None)
         layers.append(
-            LayerPlan(slot, kind.name, window, key_spec, value_spec, skipped=skipped, member=member)
+            LayerPlan(
+                slot,
+                name,
+                window,
+                key_spec,
+                value_spec,
+                skipped=skipped,
+                member=member,
+                ratio=ratio,
+            )
         )
     if cfg.max_kv_size is not None and any(p.kind == "full" for p in layers):
         notes.append(
             f"full-attention slots are bounded to the last {cfg.max_kv_size} tokens (--max-kv-size)"
         )
 
-    # Shapes, from a lazy forward over mlx-lm's own caches.
+    # Shapes, from a lazy forward over mlx-lm's own caches (long enough that
+    # every compressed field gets a row).
+    prefill = max([2] + [p.ratio + 1 for p in layers])
     try:
-        _probe(model, proto)
+        _probe(model, proto, prefill)
     except Exception as e:  # the model itself does not run: nothing to do with KV
         raise UnsupportedKVConfig(f"{model_type}: probe forward pass failed: {e!r}") from e
     shaped = []
     for p, (_, _, c) in zip(layers, flat, strict=True):
+        if type(c) is _LayerLeaf:
+            shaped.append(_shape_layer_leaf(p, c, cfg))
+            continue
         if p.is_kv and c.keys is None:
             # e.g. nemotron-nas: a cache made for an attention block the model
             # replaced by a linear layer; nothing is ever stored there.
             p = _replace(p, kind="unused")
         elif p.is_kv:
             h, dk, dv = _slot_shapes(c)
-            p = _replace(p, kv_heads=h, key_dim=dk, value_dim=dv)
+            if p.kind == "indexer":
+                dv = 0  # values are a copy of the keys, or empty: not kept
+            hand_out = DEQUANTIZED if p.kind == "indexer" else p.hand_out
+            p = _replace(p, kv_heads=h, key_dim=dk, value_dim=dv, hand_out=hand_out)
             if p.quantized:
                 where = f"cache slot {p.slot} ({p.kind})"
                 p.key_spec.check_dim(dk, where)
@@ -430,6 +591,12 @@ def plan_kv(
         model_type, cfg, shaped, num_model_layers=len(getattr(model, "layers", [])) or slots,
         batch=batch, notes=notes, _model=model,
     )  # fmt: skip
+    if any(kind.one_sequence for kind in map(lookup, proto) if kind is not None):
+        plan.max_batch = 1
+        notes.append(
+            f"{model_type}: one sequence at a time (its cache positions are one number per "
+            "batch, so sequences cannot be padded into one batch, as in mlx-lm)"
+        )
     plan.shared_layers = max(0, plan.num_model_layers - slots) if _has_kv_sharing(model) else 0
     plan.max_context = _max_context(model)
     if cfg.enabled:
@@ -492,12 +659,15 @@ def _check_hand_out(model, plan: KVPlan) -> None:
     modes = [DEQUANTIZED] if declared else [PACKED, DEQUANTIZED]
     errors = []
     for mode in modes:
-        plan.layers = [_replace(p, hand_out=mode) if p.quantized else p for p in plan.layers]
+        plan.layers = [
+            _replace(p, hand_out=mode) if p.quantized and p.kind != "indexer" else p
+            for p in plan.layers
+        ]
         # Quantized from the first token, whatever `quantized_kv_start` says:
         # the probe is short and must exercise the quantized path.
         caches = build_caches(model, plan, start=0)
         try:
-            counts, _ = _probe(model, caches)
+            counts, _ = _probe(model, caches, max([2] + [p.ratio + 1 for p in plan.layers]))
         except Exception as e:
             errors.append(f"{mode}: {type(e).__name__}: {e}")
             continue
@@ -525,6 +695,8 @@ def _slots_not_reaching_quantized_attention(plan: KVPlan, caches: list, counts) 
     missing = []
     flat = _flatten(caches)
     for p, (slot, _, c) in zip(plan.layers, flat, strict=True):
+        if p.kind == "indexer":  # read by the indexer's array code, never by attention
+            continue
         if p.quantized and id(c) not in seen and not _reaches_via_owner(c, counts):
             missing.append(slot)
     return missing

@@ -83,9 +83,17 @@ class Store:
     """A K or V buffer along the token axis (-2), raw or quantized."""
 
     __slots__ = ("parts", "spec")
-    # Not a sequence: without this, code that tries to iterate a cache's
-    # `.keys` would index token rows forever (MLX does not raise IndexError).
-    __iter__ = None
+
+    # A sequence of its arrays (data, scales, biases; or the raw array), so
+    # that `mx.depends(cache.keys, x)` in model code takes a store and returns
+    # the list of its arrays with the dependency (the cache turns that back
+    # into a store). An integer index picks an array; slices and other
+    # indices act on the tensor (`store[..., :n, :]`, `store[rows]`).
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __iter__(self):
+        return iter(self.parts)
 
     def __init__(self, parts: Sequence[mx.array], spec: QuantSpec):
         self.parts = tuple(parts)
@@ -126,7 +134,9 @@ class Store:
     def map(self, fn: Callable[[mx.array], mx.array]) -> Store:
         return Store([fn(a) for a in self.parts], self.spec)
 
-    def __getitem__(self, idx) -> Store:
+    def __getitem__(self, idx):
+        if type(idx) is int:
+            return self.parts[idx]
         return self.map(lambda a: a[idx])
 
     def __setitem__(self, idx, other: Store) -> None:

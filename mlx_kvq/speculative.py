@@ -1,4 +1,4 @@
-"""Speculative decoding with quantized caches on both models.
+"""What speculative decoding needs of the caches, checked before it starts.
 
 mlx-lm's speculative loop rewinds both caches with `trim` after rejected
 draft tokens. Quantized full-attention caches trim exactly. A wrapped
@@ -13,32 +13,28 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from .config import KVConfig, UnsupportedKVConfig
+from .config import UnsupportedKVConfig
 
 
-def speculative_caches(
-    model: nn.Module, draft_model: nn.Module, prompt_cache, cfg: KVConfig
-) -> list:
-    """Target caches followed by draft caches, both quantized as planned."""
-    from .generate import _prepare_cache
+def split_caches(model: nn.Module, prompt_cache: list | None) -> tuple[list | None, list | None]:
+    """A combined speculative cache list as mlx-lm splits it: (target's, draft's)."""
+    if prompt_cache is None:
+        return None, None
+    n = len(model.layers)
+    return prompt_cache[:n], prompt_cache[n:]
 
-    if prompt_cache is not None:
-        n = len(model.layers)
-        model_cache, draft_cache = prompt_cache[:n], prompt_cache[n:]
-    else:
-        model_cache = draft_cache = None
-    model_cache = _prepare_cache(model, model_cache, cfg) or _fresh(model, cfg)
-    draft_cache = _prepare_cache(draft_model, draft_cache, cfg) or _fresh(draft_model, cfg)
-    for name, m, caches in (
-        ("model", model, model_cache),
-        ("draft model", draft_model, draft_cache),
-    ):
-        if name == "model" and len(caches) != len(m.layers):
-            raise UnsupportedKVConfig(
-                f"speculative decoding: the {name} has {len(caches)} cache slots for "
-                f"{len(m.layers)} layers (KV-shared layers); mlx-lm's speculative loop "
-                "splits caches by layer count. Run without --draft-model"
-            )
+
+def check_speculative_caches(
+    model: nn.Module, draft_model: nn.Module, model_cache: list, draft_cache: list
+) -> None:
+    """Refuse caches mlx-lm's speculative loop would split or rewind wrongly."""
+    if len(model_cache) != len(model.layers):
+        raise UnsupportedKVConfig(
+            f"speculative decoding: the model has {len(model_cache)} cache slots for "
+            f"{len(model.layers)} layers (KV-shared layers); mlx-lm's speculative loop "
+            "splits caches by layer count. Run without --draft-model"
+        )
+    for name, caches in (("model", model_cache), ("draft model", draft_cache)):
         windows = [i for i, c in enumerate(caches) if hasattr(c, "max_size")]
         if windows:
             raise UnsupportedKVConfig(
@@ -46,10 +42,3 @@ def speculative_caches(
                 "a wrapped window cannot be rewound after rejected draft tokens. "
                 "Run without --draft-model (or without --max-kv-size)"
             )
-    return list(model_cache) + list(draft_cache)
-
-
-def _fresh(model: nn.Module, cfg: KVConfig) -> list:
-    from mlx_lm.models.cache import make_prompt_cache
-
-    return make_prompt_cache(model, max_kv_size=cfg.max_kv_size)

@@ -50,7 +50,7 @@ from mlx_lm.models import cache as mlx_cache  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mlx_kvq.evaluate import _windows, load_eval_inputs  # noqa: E402
+from mlx_kvq.evaluate import cut_windows, load_eval_inputs  # noqa: E402
 
 DOC = REPO / "docs" / "quality.md"
 RAW = REPO / "docs" / "quality_explore.json"
@@ -284,7 +284,7 @@ def run(args) -> dict:
     model, _, texts = load_eval_inputs(None, None)
     data = {}
     for name, (ids, bos) in texts.items():
-        wins = _windows(ids, args.context, args.windows, bos)
+        wins = cut_windows(ids, args.context, args.windows, bos)
         base = [log_probs(model, mx.array(w), model.make_cache(), args.chunk) for w in wins]
         data[name] = (wins, base)
     cmd = (

@@ -11,14 +11,17 @@ import sys
 
 import pytest
 
-from mlx_kvq.bench import cli, report
+from mlx_kvq.bench import report
+from mlx_kvq.bench import run as bench_run
 from mlx_kvq.bench.settings import SECTIONS, quick
+from mlx_kvq.commands import bench as bench_command
+from mlx_kvq.commands import main
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    rc = cli.main(["--quick", "--out", str(out), "--no-plots"])
+    rc = main(["bench", "--quick", "--out", str(out), "--no-plots"])
     assert rc == 0
     return out, json.loads((out / "bench.json").read_text())
 
@@ -39,7 +42,7 @@ def test_json_has_every_section_and_configuration(quick_run):
     s = quick()
     assert result["settings"]["sections"] == list(SECTIONS)
     assert result["environment"]["mlx"] and result["environment"]["device"]
-    assert result["command"].startswith("python -m mlx_kvq.bench")
+    assert result["command"].startswith("mlx-kvq bench --quick")
     assert result["duration_s"] > 0
 
     att = result["attention"]
@@ -51,9 +54,14 @@ def test_json_has_every_section_and_configuration(quick_run):
         assert row["max_abs_error"]["ours"] < 0.5
 
     rows = result["model"]["rows"]
-    assert [(r["dtype"], r["context"]) for r in rows] == [
-        (d, c) for d in s.dtypes for c in s.contexts
-    ]
+    # float32 ends with its labelled rows on MLX's linked reference BLAS
+    assert [(r["dtype"], r["context"], r["reference_blas"]) for r in rows] == [
+        (d, c, False) for d in s.dtypes for c in s.contexts
+    ] + [("float32", c, True) for c in s.reference_blas_contexts]
+    if sys.platform.startswith("linux"):
+        assert result["environment"]["blas"]["kind"] == "OpenBLAS"
+        assert {r["blas"] for r in rows if not r["reference_blas"]} == {"OpenBLAS"}
+        assert {r["blas"] for r in rows if r["reference_blas"]} == {"reference BLAS"}
     for r in rows:
         for what in ("decode_tps", "prefill_tps"):
             assert set(r[what]) == {"unquantized", "8-bit", "4-bit"}
@@ -75,6 +83,7 @@ def test_json_has_every_section_and_configuration(quick_run):
     assert all(v["median"] == 1.0 for v in first["scaling"].values())
     names = [g["goal"] for g in result["goals"]]
     assert any(n.startswith("serving 4-bit: 2 streams vs 1") for n in names)
+    assert len(names) == len(set(names))  # the reference-BLAS rows set no goal
 
 
 def test_memory_matches_theory_per_held_slot(quick_run):
@@ -106,7 +115,8 @@ def test_markdown_summary(quick_run):
     for heading in ("# mlx-kvq benchmark", "## Goals", "## Attention alone", "## Model",
                     "## Memory", "## Serving"):  # fmt: skip
         assert heading in md
-    assert "python -m mlx_kvq.bench" in md
+    assert "mlx-kvq bench --quick" in md
+    assert "- BLAS (both arms): " in md and "(both arms, for comparison)" in md
     # every table row has as many cells as its header
     lines = md.splitlines()
     for i, line in enumerate(lines):
@@ -152,11 +162,11 @@ def test_module_entry_point_and_bad_section(tmp_path):
 
 
 def test_cli_subcommand_wiring():
-    from mlx_kvq.cli import build_parser
+    from mlx_kvq.commands import build_parser
 
     args = build_parser().parse_args(["bench", "--quick", "--sections", "memory"])
-    assert args.func is cli.run_bench
-    assert cli.settings_from_args(args).sections == ("memory",)
+    assert args.run is bench_command.run
+    assert bench_command.settings_from_args(args).sections == ("memory",)
 
 
 # -- the CPU fast paths of quantized attention that the benchmark measures -----
@@ -165,7 +175,7 @@ def test_cli_subcommand_wiring():
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "per_head", "batched", "sinks"])
 def test_attention_fast_paths_match_reference(monkeypatch, split, L, mask_kind):
     """Per-(sequence, KV head) split on sliced cache views, the dense
-    dequantized-key-block scores (several key blocks) and the quantized_matmul
+    dequantized-block products (several key blocks) and the quantized_matmul
     path all equal mx.fast attention on the dequantized K/V."""
     import mlx.core as mx
     import numpy as np
@@ -176,7 +186,7 @@ def test_attention_fast_paths_match_reference(monkeypatch, split, L, mask_kind):
     from mlx_kvq.quant import Store
 
     monkeypatch.setattr(attention, "_SPLIT_MIN_TOKENS", 0 if split else 1 << 30)
-    monkeypatch.setattr(attention, "_KEY_BLOCK", 64)  # several key blocks
+    monkeypatch.setattr(attention, "_key_block", lambda rows, tokens, dim: 64)  # several blocks
     rng = np.random.default_rng(L)
     B = 2 if mask_kind == "batched" else 1
     n_q, n_kv, D, S, buf = 8, 2, 64, 150, 256
@@ -203,14 +213,19 @@ def test_attention_fast_paths_match_reference(monkeypatch, split, L, mask_kind):
     assert mx.allclose(out, ref, atol=1e-4, rtol=1e-4).item()
 
 
+@pytest.mark.parametrize("blas", ["fast", "linked"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_attention_fast_paths_half_precision(monkeypatch, dtype):
-    """Half-precision models: bfloat16 prefill scores multiply in bfloat16,
-    float16 in float32; both stay close to the float32 computation."""
+def test_attention_fast_paths_half_precision(monkeypatch, dtype, blas):
+    """Half-precision models: prefill products run in float32 on a fast BLAS;
+    on the reference BLAS bfloat16 models multiply in bfloat16 (MLX's own
+    product, then the faster); all stay close to the float32 computation."""
+    import contextlib
+
     import mlx.core as mx
     import numpy as np
 
     from mlx_kvq import attention
+    from mlx_kvq.blas import use_linked_blas
     from mlx_kvq.config import QuantSpec
     from mlx_kvq.quant import Store
 
@@ -220,7 +235,12 @@ def test_attention_fast_paths_half_precision(monkeypatch, dtype):
     k = mx.array(rng.standard_normal((1, 2, 200, 64)).astype(np.float32))
     kq = Store.encode(k, QuantSpec(4)).fetch()
     exact = attention.quantized_attention(q, kq, kq, 0.125, "causal")
-    half = attention.quantized_attention(q.astype(getattr(mx, dtype)), kq, kq, 0.125, "causal")
+    with use_linked_blas() if blas == "linked" else contextlib.nullcontext():
+        if sys.platform.startswith("linux"):
+            linked_bf16 = blas == "linked" and dtype == "bfloat16"
+            want = mx.bfloat16 if linked_bf16 else mx.float32
+            assert attention._dense_dtype(getattr(mx, dtype)) == want
+        half = attention.quantized_attention(q.astype(getattr(mx, dtype)), kq, kq, 0.125, "causal")
     assert half.dtype == getattr(mx, dtype)
     assert mx.max(mx.abs(half.astype(mx.float32) - exact)).item() < 0.05
 
@@ -253,8 +273,10 @@ def test_a_section_the_backend_cannot_run_is_reported_not_fatal(tmp_path, monkey
     monkeypatch.setattr(model_bench, "build_model", build)
     monkeypatch.setattr(model_bench, "count_params", lambda model: 1)
     monkeypatch.setattr(memory_bench, "run", memory_fails)
-    settings = replace(quick(), sections=("model", "memory"), contexts=(48,))
-    rc = cli.run(settings, tmp_path, plots=False, log=lambda *a: None)
+    settings = replace(
+        quick(), sections=("model", "memory"), contexts=(48,), reference_blas_contexts=()
+    )
+    rc = bench_run.run(settings, tmp_path, plots=False, log=lambda *a: None)
     assert rc == 1
     result = json.loads((tmp_path / "bench.json").read_text())
     model = result["model"]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mlx_kvq.cli import main
+from mlx_kvq.commands import main
 
 
 def _gemma4_config(tmp_path):
@@ -52,7 +52,7 @@ def test_plan_gemma4_schedule_every_kv_layer_quantized(tmp_path, capsys):
 def test_bad_settings_exit_2_before_weights(tmp_path, flags, message):
     path = _gemma4_config(tmp_path)
     proc = subprocess.run(
-        [sys.executable, "-m", "mlx_kvq.cli", "plan", "--model", str(path), *flags],
+        [sys.executable, "-m", "mlx_kvq", "plan", "--model", str(path), *flags],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2
@@ -64,7 +64,7 @@ def test_generate_prints_plan_and_kv_bytes(tmp_path):
 
     path = save_tiny_model(tmp_path / "m", "gemma3_text")
     proc = subprocess.run(
-        [sys.executable, "-m", "mlx_kvq.cli", "generate", "--model", str(path), "--prompt", "Hello",
+        [sys.executable, "-m", "mlx_kvq", "generate", "--model", str(path), "--prompt", "Hello",
          "--kv-bits", "4", "--max-tokens", "12"],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
@@ -74,6 +74,9 @@ def test_generate_prints_plan_and_kv_bytes(tmp_path):
     assert any(line.startswith("Generation: ") for line in lines)
     held = [line for line in lines if line.startswith("KV bytes held: ")]
     assert held and int(held[0].split()[3]) > 0
+    blas = [line for line in lines if line.startswith("BLAS: ")]
+    assert blas and ("OpenBLAS" in blas[0] or sys.platform != "linux"), lines
+    assert any(line.startswith("Native kernels: ") for line in lines)
 
 
 def test_prompt_cache_file_with_quantized_windows(tmp_path):
@@ -87,7 +90,7 @@ def test_prompt_cache_file_with_quantized_windows(tmp_path):
 
     def run(*args):
         return subprocess.run(
-            [sys.executable, "-m", "mlx_kvq.cli", *args, "--model", str(path)],
+            [sys.executable, "-m", "mlx_kvq", *args, "--model", str(path)],
             capture_output=True, text=True, timeout=180,
         )  # fmt: skip
 
@@ -111,3 +114,45 @@ def test_prompt_cache_file_with_quantized_windows(tmp_path):
                    "--kv-bits", "8", "--max-tokens", "5")  # fmt: skip
     assert mismatch.returncode == 2
     assert "layer 0 was stored as sliding K 4b/g64" in mismatch.stderr
+
+
+def test_skipped_layers_hold_unquantized_bytes_through_generate(tmp_path):
+    """`--kv-skip-layers` reaches the caches generate runs, not only the report: the
+    skipped slots hold what unquantized slots hold, the others what quantized ones do;
+    a prompt file made with the same flags is accepted by generate, and refused without."""
+    from kvq_testing.tiny import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "m", "gemma3_text")
+    skip = ["--allow-partial-kv", "--kv-skip-layers", "0,1"]
+
+    def run(*args, rc=0):
+        proc = subprocess.run(
+            [sys.executable, "-m", "mlx_kvq", *args, "--model", str(path)],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert proc.returncode == rc, proc.stderr
+        return proc
+
+    def slots(*kv):
+        out = run("generate", "--prompt", "Hello", "--max-tokens", "8", "--verbose", *kv).stdout
+        rows = [line.split() for line in out.splitlines() if line.startswith("held slot ")]
+        return [(r[3], r[4], int(r[5]), int(r[6])) for r in rows]  # kind, quantized, bytes, tokens
+
+    every, partial, plain = (
+        slots("--kv-bits", "4"),
+        slots("--kv-bits", "4", *skip),
+        slots("--kv-bits", "0"),
+    )
+    assert len(every) == len(partial) == len(plain) > 2
+    for i, got in enumerate(partial):
+        want = plain[i] if i in (0, 1) else every[i]
+        assert got == want, (i, got, want)
+    assert partial[0][1] == "unquantized" and partial[2][1] == "quantized"
+
+    cache_file = tmp_path / "skip.safetensors"
+    run("cache-prompt", "--prompt", "The quick brown fox", "--prompt-cache-file",
+        str(cache_file), "--kv-bits", "4", *skip)  # fmt: skip
+    follow = ["generate", "--prompt", " And", "--prompt-cache-file", str(cache_file),
+              "--kv-bits", "4", "--max-tokens", "4"]  # fmt: skip
+    assert "Generation: " in run(*follow, *skip).stdout
+    assert "layer 0 is unquantized" in run(*follow, rc=2).stderr

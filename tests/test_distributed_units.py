@@ -4,15 +4,30 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from kvq_testing import archs
+from kvq_testing.distributed import tiny_model
 
 from mlx_kvq.caches import KVQFullCache
-from mlx_kvq.caches.base import KVQCache
-from mlx_kvq.config import KVConfig, QuantSpec
-from mlx_kvq.distributed import loading
-from mlx_kvq.distributed.engine import GroupReadiness
+from mlx_kvq.config import KVConfig, QuantSpec, UnsupportedKVConfig
+from mlx_kvq.distributed.coordinator import GroupCoordinator
 from mlx_kvq.distributed.group import exchange, gather_json
-from mlx_kvq.distributed.loading import PIPELINE, TENSOR, Shard
-from mlx_kvq.distributed.planning import group_plan_dict, local_config, ranks_table
+from mlx_kvq.distributed.heartbeat import RankLoss
+from mlx_kvq.distributed.loading import (
+    KV_HEADS,
+    PIPELINE,
+    SPLIT,
+    TENSOR,
+    Shard,
+    kv_replicas,
+    replicate_kv_heads,
+)
+from mlx_kvq.distributed.planning import (
+    check_sharding,
+    group_plan_dict,
+    local_config,
+    ranks_table,
+)
+from mlx_kvq.engine import StepCommands, StopNotice, WarmupVerdict
 from mlx_kvq.quant import Store
 
 
@@ -26,15 +41,88 @@ def test_skip_layers_name_model_layers_and_each_pipeline_rank_maps_its_own():
     assert local_config(kv, every) is kv
 
 
-def test_readiness_holds_ready_until_the_group_passed_but_shows_failure_at_once():
-    r = GroupReadiness()
-    r.set_ready({"batch": {}})
-    assert r.get().status == "warming_up" and not r.ready_event.is_set()
-    r.release({"batch": {}, "ranks": []})
-    assert r.ready and r.get().report["ranks"] == []
-    r = GroupReadiness()
-    r.set_failed("rank 1 of 2 is lost")
-    assert r.get().status == "failed" and r.ready_event.is_set()
+class FakeHeartbeat:
+    """What the coordinator uses of a heartbeat, recorded."""
+
+    def __init__(self):
+        self.on_lost = None
+        self.progress = self.step_timeout = None
+        self.fatal: list[str] = []
+        self.closing = False
+
+    def set_on_lost(self, callback):
+        self.on_lost = callback
+
+    def report_fatal(self, reason):
+        self.fatal.append(reason)
+
+    def stopping(self):
+        self.closing = True
+
+    def up(self, rank):
+        return True
+
+
+class FakeEngine:
+    alive = True
+
+    def __init__(self):
+        self.failed: list[str] = []
+
+    def fail(self, reason):
+        self.failed.append(reason)
+
+
+def coordinator():
+    hb = FakeHeartbeat()
+    infos = [{"rank": 0, "mode": "tensor", "layers": "0-3", "kv_heads": [2], "bytes_per_token": 96}]
+    c = GroupCoordinator(hb, infos, step_timeout=5.0)
+    engine = FakeEngine()
+    c.bind(engine)
+    return c, hb, engine
+
+
+def test_group_warmup_is_ready_only_when_every_rank_passed():
+    c, hb, _ = coordinator()
+    assert hb.on_lost == c.on_rank_lost and hb.progress == c.busy_seconds
+    batch = {"full": {"slots": 2, "quantized": 2, "max_tokens": 9, "nbytes": 300}}
+    verdict = c.agree_warmup(WarmupVerdict(True, report={"batch": batch}))
+    assert verdict.ok and verdict.report["ranks"][0]["kv_bytes"] == 300
+    assert verdict.report["ranks"][0]["layers"] == "0-3"
+    failed = c.agree_warmup(WarmupVerdict(False, error="2 of 2 full caches were not quantized"))
+    assert not failed.ok and failed.error == (
+        "warm-up failed on rank 0: 2 of 2 full caches were not quantized"
+    )
+
+
+def test_a_lost_rank_fails_the_engine_at_once_with_the_reason():
+    c, hb, engine = coordinator()
+    c.on_rank_lost(RankLoss(1, "its process exited or was killed"))
+    assert engine.failed == [
+        "rank 1 of 1 is lost: its process exited or was killed; the group cannot serve "
+        "until all ranks are restarted"
+    ]
+    assert hb.fatal == engine.failed
+    # the engine thread's own error afterwards reports the group's reason, not its own
+    assert c.stopping(StopNotice("engine failed: RuntimeError: peer lost")) == engine.failed[0]
+    c.on_rank_lost(RankLoss(None, "stuck"))  # once failed, later losses change nothing
+    assert len(engine.failed) == 1
+
+
+def test_a_rank_that_reported_its_failure_is_named_with_its_reason():
+    c, _, engine = coordinator()
+    c.on_rank_lost(RankLoss(1, "rank 1: warm-up failed: boom", reported=True))
+    assert engine.failed[0].startswith("rank 1 of 1 failed (rank 1: warm-up failed: boom)")
+
+
+def test_single_rank_step_passes_the_leaders_commands_through():
+    c, hb, _ = coordinator()
+    from mlx_kvq.engine import RankStatus
+
+    cmds = StepCommands(cancels=frozenset({3}))
+    assert c.step(cmds, RankStatus(kv_bytes=7)) == cmds and c.rank_kv == [7]
+    assert c.step(StepCommands(stop=True), RankStatus()).stop
+    assert c.stopped_normally and hb.closing
 
 
 def test_single_process_collectives_are_the_identity():
@@ -44,28 +132,20 @@ def test_single_process_collectives_are_the_identity():
 
 
 def test_pipeline_send_dependency_on_a_quantized_cache():
+    """mlx-lm's pipeline stages end with this line; a quantized cache takes it:
+    same stored data, the dependency attached, and the cache keeps working."""
     spec = QuantSpec(4, 64)
     cache = KVQFullCache(spec, spec)
     cache.update_and_fetch(mx.ones((1, 2, 3, 64)), mx.ones((1, 2, 3, 64)))
-    with pytest.raises(
-        (TypeError, RuntimeError)
-    ):  # what mlx-lm's pipeline code would hit without the shim
-        mx.depends(cache.keys, mx.array(1.0))
     before = [mx.array(p) for p in cache.keys.parts]
-    had = "keys" in KVQCache.__dict__
-    try:
-        loading.enable_pipeline_caches()
-        cache.keys = mx.depends(cache.keys, mx.array(1.0))  # the line in mlx-lm's models
-        assert isinstance(cache.keys, Store) and cache.keys.spec == spec
-        assert all(
-            mx.array_equal(a, b).item() for a, b in zip(before, cache.keys.parts, strict=True)
-        )
-        k, _ = cache.update_and_fetch(mx.ones((1, 2, 1, 64)), mx.ones((1, 2, 1, 64)))
-        assert k.shape == (1, 2, 4, 64) and cache.offset == 4
-    finally:
-        if not had and "keys" in KVQCache.__dict__:
-            del KVQCache.keys
-        loading._ENABLED = False
+    sent = mx.array(1.0)
+    cache.keys = mx.depends(cache.keys, sent)  # the line in mlx-lm's models
+    assert isinstance(cache.keys, Store) and cache.keys.spec == spec
+    assert all(mx.array_equal(a, b).item() for a, b in zip(before, cache.keys.parts, strict=True))
+    k, _ = cache.update_and_fetch(mx.ones((1, 2, 1, 64)), mx.ones((1, 2, 1, 64)))
+    assert k.shape == (1, 2, 4, 64) and cache.offset == 4
+    with pytest.raises(TypeError, match="KVQFullCache.keys"):
+        cache.keys = mx.zeros((3,))  # anything else is refused
 
 
 def test_group_plan_reports_every_rank():
@@ -86,3 +166,41 @@ def test_group_plan_reports_every_rank():
     assert "2 ranks (pipeline parallel)" in out["summary"] and "10 + 12" in out["summary"]
     table = ranks_table(infos, [100, 120])
     assert "rank 0: layers 2-3" in table and "120 KV bytes held" in table
+
+
+# -- tensor parallelism with fewer KV heads than ranks -----------------------------
+def test_replicas_make_the_ranks_divide_the_kv_heads():
+    assert [kv_replicas(h, 2) for h in (1, 2, 3, 4)] == [2, 1, 2, 1]
+    assert [kv_replicas(h, 4) for h in (1, 2, 3, 6, 8)] == [4, 2, 4, 2, 1]
+    for h, n in ((1, 2), (3, 2), (2, 4), (6, 4), (1, 8)):
+        assert (h * kv_replicas(h, n)) % n == 0
+
+
+@pytest.mark.parametrize("name", sorted(KV_HEADS))
+def test_replicated_kv_heads_compute_the_same_model(name):
+    """Each declared module, replicated in one process: every query head
+    still reads (a copy of) its own KV head, so the logits do not change."""
+    model = archs.build_model(name)
+    attribute = KV_HEADS[name].attribute
+    heads = [getattr(layer.self_attn, attribute) for layer in model.layers]
+    tokens = archs.prompt_tokens(12)[None]
+    before = model(tokens)
+    ranks = 2 * min(heads)  # at most one KV head per query head, as sharding allows
+    copies = replicate_kv_heads(model, ranks)
+    assert any(c > 1 for c in copies)
+    after_heads = [getattr(layer.self_attn, attribute) for layer in model.layers]
+    assert after_heads == [h * c for h, c in zip(heads, copies, strict=True)]
+    assert all(h % ranks == 0 for h in after_heads)
+    after = model(tokens)
+    assert mx.abs(after - before).max().item() < 1e-4
+
+
+def test_sharding_is_checked_from_the_config_alone():
+    """In one process (a group of 1): pipeline mode needs mlx-lm's pipeline();
+    tensor mode returns the layout (every KV head on the only rank)."""
+    with pytest.raises(UnsupportedKVConfig, match="gpt_oss cannot be split by layers"):
+        check_sharding(tiny_model("gpt_oss"), pipeline=True)
+    assert check_sharding(tiny_model("ministral3"), pipeline=True) is None
+    layout = check_sharding(tiny_model("gpt_oss"), pipeline=False)
+    assert layout.how == SPLIT and layout.kv_heads == layout.rank_kv_heads == (2, 2, 2, 2)
+    assert "KV heads 2 per layer, 2 per rank over 1 ranks (split)" == layout.describe()

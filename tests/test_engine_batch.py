@@ -187,6 +187,59 @@ def test_too_long_prompt_is_refused(engine):
     assert isinstance(c.end, ErrorEvent) and c.end.status == 400
 
 
+def test_a_failing_sampler_fails_only_its_request(engine, loaded, monkeypatch):
+    """A sampler that raises mid-decode ends its own request; the batch decodes on."""
+    import mlx_kvq.engine.sampling as sampling
+
+    tokenizer = loaded[1]
+    prompts = [tokenizer.encode(f"Story {i} about the old bridge") for i in range(3)]
+    expected = [submit(engine, p, max_tokens=24).wait().tokens for p in prompts]
+    real = sampling.make_sampler
+    calls = []
+
+    def make_sampler(temp, **kw):
+        if temp != 0.77:
+            return real(temp=temp, **kw)
+
+        def sampler(logprobs):
+            calls.append(1)
+            if len(calls) > 3:
+                raise RuntimeError("sampler exploded")
+            return mx.argmax(logprobs, axis=-1)
+
+        return sampler
+
+    monkeypatch.setattr(sampling, "make_sampler", make_sampler)
+    before = engine.metrics.snapshot().requests.get("error", 0)
+    others = [submit(engine, p, max_tokens=24) for p in prompts]
+    bad = submit(engine, tokenizer.encode("this one breaks"), max_tokens=24, temperature=0.77)
+    for c in [bad, *others]:
+        c.wait()
+    assert isinstance(bad.end, ErrorEvent) and "sampler exploded" in bad.end.message
+    assert 0 < len(bad.tokens) < 24
+    for c, want in zip(others, expected, strict=True):
+        assert isinstance(c.end, FinishEvent), c.end
+        assert c.tokens == want
+    assert engine.metrics.snapshot().requests.get("error", 0) == before + 1
+    assert engine.alive and engine.readiness.ready
+    wait_until(lambda: sum(engine.metrics.snapshot().kv_bytes_by_kind.values()) == 0, "no KV")
+
+
+def test_values_the_sampler_cannot_take_fail_alone(engine, loaded):
+    """Settings that reach the engine unchecked fail their request, not the engine;
+    a top_k at or above the vocabulary keeps every token (no top-k)."""
+    tokenizer = loaded[1]
+    prompt = tokenizer.encode("Pick some random words")
+    bad_seed = submit(engine, prompt, temperature=0.7, seed=2**64).wait()
+    assert isinstance(bad_seed.end, ErrorEvent) and bad_seed.end.status == 500
+    wide = submit(engine, prompt, max_tokens=10, temperature=0.7, seed=3, top_k=10**6).wait()
+    plain = submit(engine, prompt, max_tokens=10, temperature=0.7, seed=3).wait()
+    assert isinstance(wide.end, FinishEvent) and wide.tokens == plain.tokens
+    shared = submit(engine, prompt, max_tokens=4, temperature=0.7, top_k=10**6).wait()
+    assert isinstance(shared.end, FinishEvent)
+    assert engine.alive and engine.readiness.ready
+
+
 class ExplodingModel:
     """Wraps a model; raises inside the forward pass once armed."""
 
@@ -206,7 +259,8 @@ class ExplodingModel:
 def test_engine_failure_is_reported_by_health(loaded):
     from fastapi.testclient import TestClient
 
-    from mlx_kvq.server.app import ServerSettings, create_app
+    from mlx_kvq.server.app import create_app
+    from mlx_kvq.server.settings import ServerSettings
 
     model, tokenizer, plan, kv = loaded
     boom = ExplodingModel(model)

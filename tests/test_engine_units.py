@@ -237,7 +237,7 @@ def test_batch_path_refuses_settings_it_would_ignore():
 
     kv = KVConfig(bits=4, quantized_start=64)
     with pytest.raises(UnsupportedKVConfig, match="--quantized-kv-start 64 cannot be honoured"):
-        check_batch_path(lambda: [_NoStartCache()], report, kv)
-    check_batch_path(lambda: [_NoStartCache()], report, KVConfig(bits=4))  # start 0: fine
+        check_batch_path(lambda: [_NoStartCache()], kv, report)
+    check_batch_path(lambda: [_NoStartCache()], KVConfig(bits=4), report)  # start 0: fine
     with pytest.raises(UnsupportedKVConfig, match="no batch form"):
-        check_batch_path(lambda: [_NoMergeCache()], report, KVConfig(bits=4))
+        check_batch_path(lambda: [_NoMergeCache()], KVConfig(bits=4), report)

@@ -11,6 +11,7 @@ from mlx_lm.models import gemma3_text
 
 from mlx_kvq import evaluate as ev
 from mlx_kvq.attention import quantized_attention
+from mlx_kvq.commands import main
 from mlx_kvq.config import KVConfig, QuantSpec
 from mlx_kvq.quant import Store, rotate
 
@@ -88,7 +89,7 @@ def test_windows_and_bos():
     assert ev.window_starts(50, 100, 4) == [0]
     s = ev.window_starts(1000, 100, 4)
     assert s[0] == 0 and s[-1] == 900 and len(s) == 4
-    wins = ev._windows(list(range(10, 30)), 5, 3, bos=1)
+    wins = ev.cut_windows(list(range(10, 30)), 5, 3, bos=1)
     assert all(w[0] == 1 and len(w) == 5 for w in wins)
 
 
@@ -164,8 +165,8 @@ def test_cli_json_is_well_formed(tiny, monkeypatch, capsys):
     model, tokens = tiny
     texts = {"a": (tokens, None), "b": (tokens[::-1], None)}
     monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, texts))
-    rc = ev.main(
-        ["--kv-bits", "4", "--kv-rotation", "hadamard", "--context", str(CONTEXT),
+    rc = main(
+        ["eval", "--kv-bits", "4", "--kv-rotation", "hadamard", "--context", str(CONTEXT),
          "--chunk", str(CHUNK), "--windows", "2", "--json", "--no-progress"]
     )  # fmt: skip
     assert rc == 0
@@ -184,12 +185,12 @@ def test_cli_json_is_well_formed(tiny, monkeypatch, capsys):
 def test_cli_table_and_bad_setting(tiny, monkeypatch, capsys):
     model, tokens = tiny
     monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, {"a": (tokens, None)}))
-    assert ev.main(["--kv-key-bits", "8", "--context", "32", "--chunk", "16", "--windows", "1",
+    assert main(["eval", "--kv-key-bits", "8", "--context", "32", "--chunk", "16", "--windows", "1",
                     "--no-progress"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "KV K 8b/g64 V fp16" in out and "\n| a | " in out
     with pytest.raises(SystemExit):
-        ev.main(["--kv-bits", "7"])
+        main(["eval", "--kv-bits", "7"])
 
 
 def test_decode_tail_feeds_one_token_at_a_time(tiny):
@@ -218,10 +219,10 @@ def test_cli_defaults_to_the_default_setting_and_zero_turns_it_off(tiny, monkeyp
     model, tokens = tiny
     monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, {"a": (tokens, None)}))
     common = ["--context", "32", "--chunk", "16", "--windows", "1", "--json", "--no-progress"]
-    assert ev.main(common) == 0
+    assert main(["eval", *common]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["setting"] == DEFAULT_KV_CONFIG.describe()
-    assert ev.main(["--kv-bits", "0", *common]) == 0
+    assert main(["eval", "--kv-bits", "0", *common]) == 0
     data = json.loads(capsys.readouterr().out)
     t = data["texts"][0]
     assert t["kl_mean"] == 0.0 and t["top1"] == 1.0 and data["bits_per_element"] == 32.0

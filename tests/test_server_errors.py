@@ -90,6 +90,17 @@ def test_completion_bad_bodies_get_400(server):
     assert_still_serving(server)
 
 
+def test_auth_failures_are_counted_apart_from_bad_requests(server):
+    before = server.metrics()
+    r = httpx.post(server.url + CHAT, json=OK_BODY, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401
+    after = server.metrics()
+    unauthorized = 'mlx_kvq_requests_total{status="unauthorized"}'
+    rejected = 'mlx_kvq_requests_total{status="rejected"}'
+    assert after[unauthorized] == before.get(unauthorized, 0) + 1
+    assert after.get(rejected, 0) == before.get(rejected, 0)
+
+
 def test_unknown_model_gets_404(server):
     r = post(server, CHAT, {**OK_BODY, "model": "no-such-model"})
     assert_openai_error(r, 404, code="model_not_found", param="model")

@@ -9,6 +9,7 @@ Settings the plan refuses exit non-zero before the port opens.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import httpx
@@ -25,6 +26,9 @@ def check_quantized_warmup(body, kinds=("sliding", "full")):
             assert s["slots"] > 0 and s["quantized"] == s["slots"], (where, kind, s)
     assert warm["sequence_tokens"] > body["plan"]["max_window"]
     assert warm["batch_size"] >= 2
+    if sys.platform == "linux":  # the BLAS MLX's float products use, as resolved by the loader
+        assert body["blas"]["fast"] is True and body["blas"]["library"], body["blas"]
+    assert body["native_kernels"]
     return warm
 
 

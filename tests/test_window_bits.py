@@ -21,7 +21,7 @@ from kvq_testing.helpers import tiny_model
 import mlx_kvq
 from mlx_kvq import KVConfig, UnsupportedKVConfig
 from mlx_kvq.caches import KVQCache, cache_report
-from mlx_kvq.cli import add_kv_args, kv_config_from_args
+from mlx_kvq.commands.flags import add_kv_flags, kv_config
 from mlx_kvq.config import QuantSpec
 from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 from mlx_kvq.evaluate import held_storage
@@ -166,18 +166,18 @@ def test_converting_filled_unquantized_caches_uses_the_per_kind_widths():
 
 def _args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    add_kv_args(p)
+    add_kv_flags(p)
     return p.parse_args(list(argv))
 
 
 def test_command_line_default_and_explicit_bits():
-    assert kv_config_from_args(_args()) == DEFAULT_KV_CONFIG
-    plain = kv_config_from_args(_args("--kv-bits", "4"))  # mlx-lm's meaning: one width, no rotation
+    assert kv_config(_args()) == DEFAULT_KV_CONFIG
+    plain = kv_config(_args("--kv-bits", "4"))  # mlx-lm's meaning: one width, no rotation
     assert plain.window_bits is None and plain.rotation == "none"
     assert plain.specs(bounded=True) == plain.specs() == (QuantSpec(4), QuantSpec(4))
-    both = kv_config_from_args(_args("--kv-bits", "3", "--kv-window-bits", "8"))
+    both = kv_config(_args("--kv-bits", "3", "--kv-window-bits", "8"))
     assert both.specs(bounded=True) == (QuantSpec(8), QuantSpec(8))
-    only = kv_config_from_args(_args("--kv-window-bits", "6"))
+    only = kv_config(_args("--kv-window-bits", "6"))
     assert only.specs() == DEFAULT_KV_CONFIG.specs()
     assert only.specs(bounded=True)[0].bits == 6
 

@@ -1,5 +1,7 @@
+"""`python -m mlx_kvq.bench ARGS` is `mlx-kvq bench ARGS`."""
+
 import sys
 
-from .cli import main
+from mlx_kvq.commands import main
 
-sys.exit(main())
+sys.exit(main(["bench", *sys.argv[1:]]))

@@ -15,12 +15,14 @@ the whole model would dominate the run. Then
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..blas import use_linked_blas
 from .settings import BenchSettings
 from .timing import Stat, interleave, paired_ratio
 
@@ -186,21 +188,16 @@ def run(settings: BenchSettings, log=print) -> dict:
             continue
         shapes = kv_shapes(model)
         make = CacheMaker(model, settings.group_size)
-        for ctx in settings.contexts:
-            row = {"dtype": dtype_name, "context": ctx}
-            stats = decode_cell(model, make, shapes, dtype, ctx, configs, settings)
-            row["decode_tps"] = {n: s.rate(1.0).to_dict(3) for n, s in stats.items()}
-            row["decode_ratio"] = _ratios(stats, configs)
-            free()
-            chunk = min(settings.prefill_chunk, ctx)
-            pstats = prefill_cell(model, make, shapes, dtype, ctx, chunk, configs, settings)
-            row["prefill_tps"] = {n: s.rate(chunk).to_dict(3) for n, s in pstats.items()}
-            row["prefill_chunk"] = chunk
-            row["prefill_ratio"] = _ratios(pstats, configs)
-            free()
+        cells = [(ctx, False) for ctx in settings.contexts]
+        if dtype_name == settings.reference_blas_dtype:
+            cells += [(ctx, True) for ctx in settings.reference_blas_contexts]
+        for ctx, reference in cells:
+            with use_linked_blas() if reference else contextlib.nullcontext():
+                row = _row(model, make, shapes, dtype, dtype_name, ctx, configs, settings)
+            row["reference_blas"] = reference
             out["rows"].append(row)
             log(
-                f"  model {dtype_name:8s} ctx={ctx:6d}: decode "
+                f"  model {dtype_name:8s} ctx={ctx:6d} {row['blas']}: decode "
                 + "  ".join(f"{n} {_tps(row['decode_tps'][n])}" for n in row["decode_tps"])
                 + " | prefill "
                 + "  ".join(f"{n} {_tps(row['prefill_tps'][n])}" for n in row["prefill_tps"])
@@ -212,6 +209,31 @@ def run(settings: BenchSettings, log=print) -> dict:
         del model, make
         free()
     return out
+
+
+def _row(model, make, shapes, dtype, dtype_name, ctx, configs, settings) -> dict:
+    """Decode and prefill at one context, every configuration in the same rounds,
+    on the BLAS bound now (named in the row)."""
+    from ..blas import blas_info
+
+    info = blas_info()
+    row = {
+        "dtype": dtype_name,
+        "context": ctx,
+        "blas": info.kind.value,
+        "blas_detail": info.summary(),
+    }
+    stats = decode_cell(model, make, shapes, dtype, ctx, configs, settings)
+    row["decode_tps"] = {n: s.rate(1.0).to_dict(3) for n, s in stats.items()}
+    row["decode_ratio"] = _ratios(stats, configs)
+    free()
+    chunk = min(settings.prefill_chunk, ctx)
+    pstats = prefill_cell(model, make, shapes, dtype, ctx, chunk, configs, settings)
+    row["prefill_tps"] = {n: s.rate(chunk).to_dict(3) for n, s in pstats.items()}
+    row["prefill_chunk"] = chunk
+    row["prefill_ratio"] = _ratios(pstats, configs)
+    free()
+    return row
 
 
 def _ratios(stats: dict[str, Stat], configs) -> dict[str, dict]:

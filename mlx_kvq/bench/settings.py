@@ -64,6 +64,10 @@ class BenchSettings:
     decode_repeats: int = 9
     prefill_chunk: int = 128
     prefill_repeats: int = 4
+    # one labelled row measured with MLX's linked (reference) BLAS in both arms,
+    # to show what the fast BLAS changes (mlx_kvq.blas.use_linked_blas)
+    reference_blas_dtype: str = "float32"
+    reference_blas_contexts: tuple[int, ...] = (4096,)
     # memory
     memory_context: int = 16384
     memory_dtype: str = "bfloat16"  # also the serving section's model dtype
@@ -101,6 +105,7 @@ def quick() -> BenchSettings:
         decode_repeats=2,
         prefill_chunk=16,
         prefill_repeats=2,
+        reference_blas_contexts=(48,),
         memory_context=160,
         memory_decode_tokens=2,
         streams=(1, 2),

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from mlx_lm.models import cache as mlx_cache
-
 from .base import DEQUANTIZED, PACKED, KVQCache
 from .chunked import KVQChunkedCache
 from .full import KVQBatchFullCache, KVQFullCache
-from .registry import REGISTRY, lookup, quantize_cache, register_for_prompt_files
+from .indexer import KVQBatchIndexerCache, KVQIndexerCache
+from .layer import KVQLayerCache
+from .registry import (
+    REGISTRY,
+    is_twin,
+    leaves,
+    lookup,
+    quantize_cache,
+    register_for_prompt_files,
+)
 from .window import KVQBatchWindowCache, KVQWindowCache
 
 # mlx-lm's prompt files must resolve our classes by name: registered whenever
@@ -21,22 +28,21 @@ __all__ = [
     "PACKED",
     "REGISTRY",
     "KVQBatchFullCache",
+    "KVQBatchIndexerCache",
     "KVQBatchWindowCache",
     "KVQCache",
     "KVQChunkedCache",
     "KVQFullCache",
+    "KVQIndexerCache",
+    "KVQLayerCache",
     "KVQWindowCache",
     "cache_report",
+    "is_twin",
+    "leaves",
     "lookup",
     "quantize_cache",
     "register_for_prompt_files",
 ]
-
-
-def _leaves(cache) -> list:
-    if isinstance(cache, mlx_cache.CacheList):
-        return [leaf for c in cache.caches for leaf in _leaves(c)]
-    return [cache]
 
 
 def _entry(c) -> dict:
@@ -52,7 +58,8 @@ def _entry(c) -> dict:
 def cache_report(caches: list) -> list[dict]:
     """One entry per cache slot: kind, quantized, bytes held, tokens held.
 
-    A `CacheList` slot reports each member; recurrent state reports kind
-    "state" with `quantized` False (it is not a KV cache).
+    A container slot (`CacheList`, deepseek_v41's layer cache) reports each
+    member; recurrent state reports kind "state" with `quantized` False (it
+    is not a KV cache).
     """
-    return [_entry(leaf) for c in caches for leaf in _leaves(c)]
+    return [_entry(leaf) for c in caches for leaf in leaves(c)]

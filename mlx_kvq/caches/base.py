@@ -7,17 +7,17 @@ from __future__ import annotations
 import copy
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache
 
 from ..config import QuantSpec
-from ..quant import QuantizedKV, Store
+from ..mlx_lm_internals import BaseCache
+from ..quant import Store
 
 # Ways a cache can hand K/V to the model.
 PACKED = "packed"  # QuantizedKV objects, for attention that takes them
 DEQUANTIZED = "dequantized"  # plain arrays, for model code that needs arrays
 
 
-class KVQCache(_BaseCache):
+class KVQCache(BaseCache):
     """Base of the quantized caches: keys and values are `Store`s.
 
     Caches start raw and convert to quantized storage at the first update
@@ -36,8 +36,8 @@ class KVQCache(_BaseCache):
         self.value_spec = value_spec
         self.start = start
         self.hand_out = hand_out
-        self.keys: Store | None = None
-        self.values: Store | None = None
+        self._keys: Store | None = None
+        self._values: Store | None = None
 
     def __deepcopy__(self, memo) -> KVQCache:
         """An independent copy (mlx-lm's prompt cache and BatchGenerator use
@@ -51,6 +51,59 @@ class KVQCache(_BaseCache):
             setattr(new, name, value)
         return new
 
+    # -- what model code sees ----------------------------------------------
+    # Some model code reads `cache.keys` / `cache.values` and writes them back
+    # with dependencies attached (`cache.keys = mx.depends(cache.keys, h)`:
+    # mlx-lm's pipeline stages, sparse-attention indexers). The stores live in
+    # `_keys` / `_values`; these properties are what such code gets and sets.
+    @property
+    def keys(self) -> Store | None:
+        """The key `Store` (a sequence of its arrays, so `mx.depends` takes it)."""
+        return self._keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._keys = self._accept(value, self._keys, "keys")
+
+    @property
+    def values(self) -> Store | None:
+        """The value `Store`."""
+        return self._values
+
+    @values.setter
+    def values(self, value) -> None:
+        self._values = self._accept(value, self._values, "values")
+
+    @property
+    def key_store(self) -> Store | None:
+        """The key `Store`, whatever `keys` shows model code."""
+        return self._keys
+
+    @property
+    def value_store(self) -> Store | None:
+        """The value `Store`, whatever `values` shows model code."""
+        return self._values
+
+    def _accept(self, value, current: Store | None, name: str) -> Store | None:
+        """A store assigned to `keys` / `values`: a `Store` (or None) as is;
+        what `mx.depends` returns for a store (the list of its arrays), or an
+        array shaped like its storage array (the one `keys` shows array-facing
+        code), replaces those arrays with the same data plus dependencies."""
+        if value is None or isinstance(value, Store):
+            return value
+        if current is not None:
+            if isinstance(value, (list, tuple)) and len(value) == len(current.parts):
+                return Store(value, current.spec)
+            head = current.parts[0]
+            if isinstance(value, mx.array) and value.shape == head.shape:
+                if value.dtype == head.dtype:
+                    return Store((value, *current.parts[1:]), current.spec)
+        shown = getattr(value, "shape", type(value).__name__)
+        raise TypeError(
+            f"{type(self).__name__}.{name} takes a Store, or its own arrays back with "
+            f"dependencies (mx.depends); got {shown}"
+        )
+
     # -- storage mode -------------------------------------------------------
     @property
     def _token_count(self) -> int:
@@ -60,11 +113,11 @@ class KVQCache(_BaseCache):
     @property
     def quantized(self) -> bool:
         """True once this cache stores quantized keys or values."""
-        if self.keys is None:
+        if self._keys is None:
             return self._token_count >= self.start and (
                 self.key_spec.quantized or self.value_spec.quantized
             )
-        return self.keys.quantized or self.values.quantized
+        return self._keys.quantized or self._values.quantized
 
     def _storage_specs(self) -> tuple[QuantSpec, QuantSpec]:
         if self._token_count >= self.start:
@@ -73,33 +126,33 @@ class KVQCache(_BaseCache):
         return raw, raw
 
     def _maybe_convert(self) -> None:
-        if self.keys is not None and self._token_count >= self.start:
-            self.keys = self.keys.quantize(self.key_spec)
-            self.values = self.values.quantize(self.value_spec)
+        if self._keys is not None and self._token_count >= self.start:
+            self._keys = self._keys.quantize(self.key_spec)
+            self._values = self._values.quantize(self.value_spec)
 
     def _encode(self, keys: mx.array, values: mx.array) -> tuple[Store, Store]:
         self._maybe_convert()
         kspec, vspec = self._storage_specs()
-        if self.keys is not None:
-            kspec, vspec = self.keys.spec, self.values.spec
+        if self._keys is not None:
+            kspec, vspec = self._keys.spec, self._values.spec
         return Store.encode(keys, kspec), Store.encode(values, vspec)
 
     def _append_room(self, k: Store, v: Store, grow: int) -> None:
         """Extend the buffers by `grow` zero slots (or create them)."""
-        if self.keys is None:
-            self.keys, self.values = k.zeros(grow), v.zeros(grow)
+        if self._keys is None:
+            self._keys, self._values = k.zeros(grow), v.zeros(grow)
         else:
-            self.keys = Store.concat([self.keys, k.zeros(grow)])
-            self.values = Store.concat([self.values, v.zeros(grow)])
+            self._keys = Store.concat([self._keys, k.zeros(grow)])
+            self._values = Store.concat([self._values, v.zeros(grow)])
 
     def _make_room(self, used: int, k: Store, v: Store) -> None:
         """Room for `k`'s tokens after `used` slots, growing in 256-token steps
         like mlx-lm's caches (a partly used last step is cut off first)."""
         n = k.length
-        if self.keys is not None and used + n <= self.keys.length:
+        if self._keys is not None and used + n <= self._keys.length:
             return
-        if self.keys is not None and used % self.step:
-            self.keys, self.values = self.keys[..., :used, :], self.values[..., :used, :]
+        if self._keys is not None and used % self.step:
+            self._keys, self._values = self._keys[..., :used, :], self._values[..., :used, :]
         self._append_room(k, v, (self.step + n - 1) // self.step * self.step)
 
     def _hand_out(self, keys: Store, values: Store):
@@ -109,13 +162,13 @@ class KVQCache(_BaseCache):
 
     # -- protocol -----------------------------------------------------------
     def empty(self) -> bool:
-        return self.keys is None
+        return self._keys is None
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
+        if self._keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes
+        return self._keys.nbytes + self._values.nbytes
 
     def _spec_state(self) -> list:
         k, v = self.key_spec, self.value_spec
@@ -138,13 +191,13 @@ class KVQCache(_BaseCache):
         self.dtype = None if dtype == "none" else getattr(mx, dtype)
 
     def _store_state(self) -> list:
-        if self.keys is None:
+        if self._keys is None:
             return [None] * 6
-        return self.keys.to_state() + self.values.to_state()
+        return self._keys.to_state() + self._values.to_state()
 
     def _set_store_state(self, parts: list) -> None:
-        self.keys = Store.from_state(parts[:3], self.key_spec)
-        self.values = Store.from_state(parts[3:], self.value_spec)
+        self._keys = Store.from_state(parts[:3], self.key_spec)
+        self._values = Store.from_state(parts[3:], self.value_spec)
 
     def _remember_dtype(self, keys: mx.array) -> None:
         if getattr(self, "dtype", None) is None:
@@ -156,7 +209,3 @@ class KVQCache(_BaseCache):
     def keys_and_values(self):
         """Current K/V in the form attention receives (gemma3n shared layers)."""
         raise NotImplementedError
-
-
-def is_quantized_kv(x) -> bool:
-    return isinstance(x, QuantizedKV)

@@ -21,11 +21,11 @@ def merge_stores(caches: list, lengths: list[int], fetch) -> tuple[Store, Store,
     """Right-align each cache's tokens in one left-padded batch store."""
     max_length = max(lengths)
     padding = [max_length - n for n in lengths]
-    filled = [c for c in caches if c.keys is not None]
+    filled = [c for c in caches if c._keys is not None]
     # Per tensor: keys and values convert independently (key_bits=None keeps
     # keys raw while values are quantized).
-    quantize_k = any(c.keys.quantized for c in filled)
-    quantize_v = any(c.values.quantized for c in filled)
+    quantize_k = any(c._keys.quantized for c in filled)
+    quantize_v = any(c._values.quantized for c in filled)
     template = filled[0]
     kspec, vspec = template.key_spec, template.value_spec
 
@@ -35,12 +35,12 @@ def merge_stores(caches: list, lengths: list[int], fetch) -> tuple[Store, Store,
     def conv_v(s: Store) -> Store:
         return s.quantize(vspec) if quantize_v else s
 
-    k0 = conv_k(template.keys)
-    v0 = conv_v(template.values)
+    k0 = conv_k(template._keys)
+    v0 = conv_v(template._values)
     keys = k0.zeros(max_length, batch=len(caches))
     values = v0.zeros(max_length, batch=len(caches))
     for i, (p, n, c) in enumerate(zip(padding, lengths, caches, strict=True)):
-        if c.keys is None or n == 0:
+        if c._keys is None or n == 0:
             continue
         k, v = fetch(c, n)
         keys[i : i + 1, :, p : p + n] = conv_k(k)
@@ -50,7 +50,7 @@ def merge_stores(caches: list, lengths: list[int], fetch) -> tuple[Store, Store,
 
 def pad_pair(c, max_idx: int, max_size: int, template: Store, other_t: Store):
     """Pad one side of an `extend` so both are right-justified at `max_idx`."""
-    k, v = c.keys, c.values
+    k, v = c._keys, c._values
     if k is None:
         b = c.offset.shape[0]
         k, v = template.zeros(0, batch=b), other_t.zeros(0, batch=b)
@@ -74,47 +74,47 @@ class BatchKVQCache(KVQCache):
 
     def _align_modes(self, other: BatchKVQCache) -> None:
         """Before joining two batches, store both the same way."""
-        if self.keys is None or other.keys is None:
+        if self._keys is None or other._keys is None:
             return
         if (
-            self.keys.quantized != other.keys.quantized
-            or self.values.quantized != other.values.quantized
+            self._keys.quantized != other._keys.quantized
+            or self._values.quantized != other._values.quantized
         ):
             for c in (self, other):
-                c.keys = c.keys.quantize(c.key_spec)
-                c.values = c.values.quantize(c.value_spec)
+                c._keys = c._keys.quantize(c.key_spec)
+                c._values = c._values.quantize(c.value_spec)
 
     def _add_left_padding(self, left_padding) -> None:
         if left_padding is None:
             return
-        if self.keys is not None:
+        if self._keys is not None:
             raise ValueError("Left padding can only be added to an empty batch cache")
         left_padding = mx.array(left_padding)
         self.left_padding = self.left_padding + left_padding
         self.offset = self.offset - left_padding
 
     def _filter_rows(self, batch_indices) -> None:
-        if self.keys is not None:
-            self.keys = self.keys[batch_indices]
-            self.values = self.values[batch_indices]
+        if self._keys is not None:
+            self._keys = self._keys[batch_indices]
+            self._values = self._values[batch_indices]
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
 
     def _extend_stores(self, other: BatchKVQCache) -> bool:
         """Concatenate rows; returns False when both sides were empty."""
-        if self.keys is None and other.keys is None:
+        if self._keys is None and other._keys is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
             return False
         self._align_modes(other)
-        kt = self.keys or other.keys
-        vt = self.values or other.values
+        kt = self._keys or other._keys
+        vt = self._values or other._values
         max_idx = max(self._idx, other._idx)
-        max_size = max(c.keys.length for c in (self, other) if c.keys is not None)
+        max_size = max(c._keys.length for c in (self, other) if c._keys is not None)
         a = pad_pair(self, max_idx, max_size, kt, vt)
         b = pad_pair(other, max_idx, max_size, kt, vt)
-        self.keys = Store.concat([a[0], b[0]], axis=0)
-        self.values = Store.concat([a[1], b[1]], axis=0)
+        self._keys = Store.concat([a[0], b[0]], axis=0)
+        self._values = Store.concat([a[1], b[1]], axis=0)
         self.offset = mx.concatenate([a[2], b[2]])
         self.left_padding = mx.concatenate([a[3], b[3]])
         self._idx = max_idx

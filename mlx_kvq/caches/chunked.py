@@ -33,14 +33,14 @@ class KVQChunkedCache(KVQCache):
         self.dtype = None
 
     def maybe_trim_front(self) -> None:
-        if self.keys is None:
+        if self._keys is None:
             return
         valid = self.offset - self.start_position
         if valid > self.chunk_size:
             trim = valid - self.chunk_size
             self.start_position += trim
-            self.keys = self.keys[..., trim:valid, :]
-            self.values = self.values[..., trim:valid, :]
+            self._keys = self._keys[..., trim:valid, :]
+            self._values = self._values[..., trim:valid, :]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self._remember_dtype(keys)
@@ -49,13 +49,13 @@ class KVQChunkedCache(KVQCache):
         self._make_room(prev, k, v)
         self.offset += n
         end = self.offset - self.start_position
-        self.keys[..., prev:end, :] = k
-        self.values[..., prev:end, :] = v
+        self._keys[..., prev:end, :] = k
+        self._values[..., prev:end, :] = v
         return self.keys_and_values()
 
     def keys_and_values(self):
         end = self.offset - self.start_position
-        return self._hand_out(self.keys[..., :end, :], self.values[..., :end, :])
+        return self._hand_out(self._keys[..., :end, :], self._values[..., :end, :])
 
     def size(self) -> int:
         return self.offset - self.start_position

@@ -34,12 +34,12 @@ class KVQFullCache(KVQCache):
         prev, n = self.offset, keys.shape[2]
         self._make_room(prev, k, v)
         self.offset += n
-        self.keys[..., prev : self.offset, :] = k
-        self.values[..., prev : self.offset, :] = v
+        self._keys[..., prev : self.offset, :] = k
+        self._values[..., prev : self.offset, :] = v
         return self.keys_and_values()
 
     def keys_and_values(self):
-        k, v = self.keys, self.values
+        k, v = self._keys, self._values
         if self.offset < k.length:
             k, v = k[..., : self.offset, :], v[..., : self.offset, :]
         return self._hand_out(k, v)
@@ -96,6 +96,7 @@ class KVQBatchFullCache(BatchKVQCache):
     """Left-padded batch of full-attention caches."""
 
     kind = "full"
+    single = KVQFullCache  # what `extract` returns
 
     def __init__(
         self,
@@ -120,12 +121,12 @@ class KVQBatchFullCache(BatchKVQCache):
         self._make_room(prev, k, v)
         self.offset = self.offset + n
         self._idx += n
-        self.keys[..., prev : self._idx, :] = k
-        self.values[..., prev : self._idx, :] = v
+        self._keys[..., prev : self._idx, :] = k
+        self._values[..., prev : self._idx, :] = v
         return self.keys_and_values()
 
     def keys_and_values(self):
-        return self._hand_out(self.keys[..., : self._idx, :], self.values[..., : self._idx, :])
+        return self._hand_out(self._keys[..., : self._idx, :], self._values[..., : self._idx, :])
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
         self._add_left_padding(left_padding)
@@ -135,8 +136,8 @@ class KVQBatchFullCache(BatchKVQCache):
     def finalize(self) -> None:
         if self._right_padding is not None:
             pad = self._right_padding
-            self.keys = self.keys.map(lambda a: dynamic_roll(a, pad[:, None], axis=2))
-            self.values = self.values.map(lambda a: dynamic_roll(a, pad[:, None], axis=2))
+            self._keys = self._keys.map(lambda a: dynamic_roll(a, pad[:, None], axis=2))
+            self._values = self._values.map(lambda a: dynamic_roll(a, pad[:, None], axis=2))
             self.offset = self.offset - pad
             self.left_padding = self.left_padding + pad
             self._right_padding = None
@@ -160,9 +161,9 @@ class KVQBatchFullCache(BatchKVQCache):
         self._filter_rows(batch_indices)
         min_left = min(self.left_padding.tolist())
         if min_left > 0:
-            if self.keys is not None:
-                self.keys = self.keys[..., min_left:, :]
-                self.values = self.values[..., min_left:, :]
+            if self._keys is not None:
+                self._keys = self._keys[..., min_left:, :]
+                self._values = self._values[..., min_left:, :]
             self._idx -= min_left
             self.left_padding = self.left_padding - min_left
 
@@ -170,12 +171,12 @@ class KVQBatchFullCache(BatchKVQCache):
         self._extend_stores(other)
 
     def extract(self, idx: int) -> KVQFullCache:
-        cache = KVQFullCache(self.key_spec, self.value_spec, self.start, self.hand_out)
+        cache = self.single(self.key_spec, self.value_spec, self.start, self.hand_out)
         cache.dtype = self.dtype
         pad = self.left_padding.tolist()[idx]
-        cache.keys = self.keys[idx : idx + 1, :, pad : self._idx].map(mx.contiguous)
-        cache.values = self.values[idx : idx + 1, :, pad : self._idx].map(mx.contiguous)
-        cache.offset = cache.keys.length
+        cache._keys = self._keys[idx : idx + 1, :, pad : self._idx].map(mx.contiguous)
+        cache._values = self._values[idx : idx + 1, :, pad : self._idx].map(mx.contiguous)
+        cache.offset = cache._keys.length
         return cache
 
     @classmethod
@@ -185,10 +186,10 @@ class KVQBatchFullCache(BatchKVQCache):
         if max(lengths) == 0:
             return cls([0] * len(caches), c0.key_spec, c0.value_spec, c0.start, c0.hand_out)
         keys, values, padding = merge_stores(
-            caches, lengths, lambda c, n: (c.keys[..., :n, :], c.values[..., :n, :])
+            caches, lengths, lambda c, n: (c._keys[..., :n, :], c._values[..., :n, :])
         )
         cache = cls(padding, c0.key_spec, c0.value_spec, c0.start, c0.hand_out)
-        cache.keys, cache.values = keys, values
+        cache._keys, cache._values = keys, values
         cache.offset = cache.offset + keys.length
         cache._idx = keys.length
         cache.dtype = next(c.dtype for c in caches if c.dtype is not None)

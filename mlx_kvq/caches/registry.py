@@ -14,10 +14,13 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from ..config import QuantSpec
+from ..mlx_lm_internals import batch_cursor
 from ..quant import Store
 from .base import PACKED, KVQCache
 from .chunked import KVQChunkedCache
 from .full import KVQBatchFullCache, KVQFullCache
+from .indexer import KVQBatchIndexerCache, KVQIndexerCache
+from .layer import KVQCompressedRows, KVQIndexRows, KVQLayerCache, KVQWindowRows, PendingRows
 from .window import KVQBatchWindowCache, KVQWindowCache
 
 Converter = Callable[[object, QuantSpec, QuantSpec, int, str], KVQCache]
@@ -34,7 +37,7 @@ class CacheKind:
     name: str
     convert: Converter | None
     window: Callable[[object], int | None] = lambda c: None
-    description: str = ""
+    one_sequence: bool = False  # its batch form holds one sequence
 
 
 def _own(x):
@@ -45,11 +48,12 @@ def _own(x):
 
 def _batch_full(c: mlx_cache.BatchKVCache, k: QuantSpec, v: QuantSpec, start: int, hand_out: str):
     q = KVQBatchFullCache(c.left_padding.tolist(), k, v, start, hand_out)
-    q.offset, q.left_padding, q._idx = _own(c.offset), _own(c.left_padding), c._idx
-    q._right_padding = _own(getattr(c, "_right_padding", None))  # prepare() .. finalize()
+    cursor = batch_cursor(c)
+    q.offset, q.left_padding, q._idx = _own(c.offset), _own(c.left_padding), cursor.idx
+    q._right_padding = _own(cursor.right_padding)  # prepare() .. finalize()
     if c.keys is not None:
         q.dtype = c.keys.dtype
-        specs = (k, v) if c._idx >= start else q._storage_specs()
+        specs = (k, v) if cursor.idx >= start else q._storage_specs()
         q.keys = Store.encode(_own(c.keys), specs[0])
         q.values = Store.encode(_own(c.values), specs[1])
     return q
@@ -60,15 +64,12 @@ def _batch_window(
 ):
     q = KVQBatchWindowCache(c.max_size, c.left_padding.tolist(), k, v, start, hand_out)
     q.offset, q.left_padding = _own(c.offset), _own(c.left_padding)
-    q._idx, q._offset, q.rotated, q._lengths = (
-        c._idx,
-        c._offset,
-        c.rotated,
-        _own(getattr(c, "_lengths", None)),
-    )
+    cursor = batch_cursor(c)
+    q._idx, q._offset, q.rotated = cursor.idx, cursor.offset, c.rotated
+    q._lengths = _own(cursor.lengths)
     if c.keys is not None:
         q.dtype = c.keys.dtype
-        specs = (k, v) if c._offset >= start else q._storage_specs()
+        specs = (k, v) if cursor.offset >= start else q._storage_specs()
         q.keys = Store.encode(_own(c.keys), specs[0])
         q.values = Store.encode(_own(c.values), specs[1])
     return q
@@ -79,35 +80,64 @@ def _same(c, *_):
 
 
 REGISTRY: dict[type, CacheKind] = {
-    mlx_cache.KVCache: CacheKind("full", KVQFullCache.from_cache, description="full attention"),
-    mlx_cache.ConcatenateKVCache: CacheKind(
-        "full", KVQFullCache.from_cache, description="full attention (concatenating)"
-    ),
+    mlx_cache.KVCache: CacheKind("full", KVQFullCache.from_cache),
+    mlx_cache.ConcatenateKVCache: CacheKind("full", KVQFullCache.from_cache),
     mlx_cache.RotatingKVCache: CacheKind(
-        "sliding", KVQWindowCache.from_cache, lambda c: c.max_size, "sliding window"
+        "sliding", KVQWindowCache.from_cache, lambda c: c.max_size
     ),
     mlx_cache.ChunkedKVCache: CacheKind(
-        "chunked", KVQChunkedCache.from_cache, lambda c: c.chunk_size, "chunked attention"
+        "chunked", KVQChunkedCache.from_cache, lambda c: c.chunk_size
     ),
-    mlx_cache.BatchKVCache: CacheKind("full", _batch_full, description="full attention, batch"),
-    mlx_cache.BatchRotatingKVCache: CacheKind(
-        "sliding", _batch_window, lambda c: c.max_size, "sliding window, batch"
-    ),
-    mlx_cache.ArraysCache: CacheKind("state", None, description="recurrent state, not a KV cache"),
+    mlx_cache.BatchKVCache: CacheKind("full", _batch_full),
+    mlx_cache.BatchRotatingKVCache: CacheKind("sliding", _batch_window, lambda c: c.max_size),
+    mlx_cache.ArraysCache: CacheKind("state", None),
     KVQFullCache: CacheKind("full", _same),
     KVQWindowCache: CacheKind("sliding", _same, lambda c: c.max_size),
     KVQChunkedCache: CacheKind("chunked", _same, lambda c: c.chunk_size),
     KVQBatchFullCache: CacheKind("full", _same),
     KVQBatchWindowCache: CacheKind("sliding", _same, lambda c: c.max_size),
+    KVQIndexerCache: CacheKind("indexer", _same),
+    KVQBatchIndexerCache: CacheKind("indexer", _same),
+    KVQWindowRows: CacheKind("sliding", _same, lambda c: c.max_rows),
+    KVQCompressedRows: CacheKind("compressed", _same),
+    KVQIndexRows: CacheKind("indexer", _same),
+    PendingRows: CacheKind("state", None),
+    KVQLayerCache: CacheKind("layer", _same, lambda c: c.window_size, one_sequence=True),
 }
 
-# CacheList is a container: its members are looked up one by one.
-CONTAINERS = (mlx_cache.CacheList,)
+# Model-specific cache classes, declared by qualified name (no model module is
+# imported for this). Their fields are planned one by one (see plan.py).
+BY_NAME: dict[str, CacheKind] = {
+    "mlx_lm.models.deepseek_v41.LayerCache": CacheKind(
+        "layer", None, lambda c: c.window_size, one_sequence=True
+    ),
+}
+
+# Our own caches: already what a plan builds.
+TWINS = frozenset(cls for cls, kind in REGISTRY.items() if kind.convert is _same)
+
+# Containers: their members are looked up one by one.
+CONTAINERS = (mlx_cache.CacheList, KVQLayerCache)
 
 
 def lookup(cache) -> CacheKind | None:
     """The declared kind of `cache`, by exact type (None if undeclared)."""
-    return REGISTRY.get(type(cache))
+    kind = REGISTRY.get(type(cache))
+    if kind is None:
+        kind = BY_NAME.get(f"{type(cache).__module__}.{type(cache).__qualname__}")
+    return kind
+
+
+def leaves(cache) -> list:
+    """The caches a slot holds: a container's members (recursively), else itself."""
+    if type(cache) in CONTAINERS:
+        return [leaf for c in cache.caches for leaf in leaves(c)]
+    return [cache]
+
+
+def is_twin(cache) -> bool:
+    """True for a cache mlx-kvq made (a declared quantized twin)."""
+    return type(cache) in TWINS
 
 
 def quantize_cache(
@@ -117,7 +147,7 @@ def quantize_cache(
 
     Raises `TypeError` for a type nobody declared.
     """
-    if type(cache) in CONTAINERS:
+    if type(cache) is mlx_cache.CacheList:
         members = [quantize_cache(c, key_spec, value_spec, start, hand_out) for c in cache.caches]
         return mlx_cache.CacheList(*members)
     kind = lookup(cache)
@@ -139,9 +169,8 @@ def register_for_prompt_files() -> None:
         KVQChunkedCache,
         KVQBatchFullCache,
         KVQBatchWindowCache,
+        KVQIndexerCache,
+        KVQBatchIndexerCache,
+        KVQLayerCache,
     ):
         setattr(mlx_cache, cls.__name__, cls)
-
-
-def dtype_bytes(dtype: mx.Dtype) -> int:
-    return dtype.size

@@ -13,6 +13,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import RotatingKVCache
 
 from ..config import QuantSpec
+from ..mlx_lm_internals import ring_index
 from ..quant import Store, dynamic_roll
 from .base import PACKED, KVQCache
 from .batch import BatchKVQCache, merge_stores
@@ -64,32 +65,32 @@ class KVQWindowCache(KVQCache):
         return v[..., : self._idx, :]
 
     def _update_concat(self, k: Store, v: Store) -> None:
-        if self.keys is None:
-            self.keys, self.values = k, v
+        if self._keys is None:
+            self._keys, self._values = k, v
         else:
-            self.keys = self._temporal_order(self.keys)
-            self.values = self._temporal_order(self.values)
-            self._idx = self.keys.length
+            self._keys = self._temporal_order(self._keys)
+            self._values = self._temporal_order(self._values)
+            self._idx = self._keys.length
             trim_size = self._idx - self.max_size + 1
-            self.keys = self._trim(trim_size, self.keys, k)
-            self.values = self._trim(trim_size, self.values, v)
+            self._keys = self._trim(trim_size, self._keys, k)
+            self._values = self._trim(trim_size, self._values, v)
         self.offset += k.length
-        self._idx = self.keys.length
+        self._idx = self._keys.length
 
     def _update_in_place(self, k: Store, v: Store) -> None:
         prev = self.offset
-        if self.keys is None or (prev >= self.keys.length and self.keys.length < self.max_size):
+        if self._keys is None or (prev >= self._keys.length and self._keys.length < self.max_size):
             self._append_room(k, v, min(self.step, self.max_size - prev))
             self._idx = prev
-        trim_size = self.keys.length - self.max_size
+        trim_size = self._keys.length - self.max_size
         if trim_size > 0:
-            self.keys = self._trim(trim_size, self.keys)
-            self.values = self._trim(trim_size, self.values)
+            self._keys = self._trim(trim_size, self._keys)
+            self._values = self._trim(trim_size, self._values)
             self._idx = self.max_size
         if self._idx == self.max_size:
             self._idx = self.keep
-        self.keys[..., self._idx : self._idx + 1, :] = k
-        self.values[..., self._idx : self._idx + 1, :] = v
+        self._keys[..., self._idx : self._idx + 1, :] = k
+        self._values[..., self._idx : self._idx + 1, :] = v
         self.offset += 1
         self._idx += 1
 
@@ -103,7 +104,7 @@ class KVQWindowCache(KVQCache):
         return self.keys_and_values()
 
     def keys_and_values(self):
-        k, v = self.keys, self.values
+        k, v = self._keys, self._values
         if self.offset < k.length:
             k, v = k[..., : self.offset, :], v[..., : self.offset, :]
         return self._hand_out(k, v)
@@ -186,12 +187,12 @@ class KVQWindowCache(KVQCache):
         q = cls(cache.max_size, key_spec, value_spec, cache.keep, start, hand_out)
         if cache.keys is not None:
             q.dtype = cache.keys.dtype
-            q.offset, q._idx = 0, cache._idx
+            q.offset, q._idx = 0, ring_index(cache)
             kspec, vspec = q._storage_specs() if cache.offset < start else (key_spec, value_spec)
             # Copies: raw storage must not alias the original's ring, which
             # both caches write in place.
-            q.keys = Store.encode(mx.array(cache.keys), kspec)
-            q.values = Store.encode(mx.array(cache.values), vspec)
+            q._keys = Store.encode(mx.array(cache.keys), kspec)
+            q._values = Store.encode(mx.array(cache.values), vspec)
             q.offset = cache.offset
         return q
 
@@ -224,24 +225,24 @@ class KVQBatchWindowCache(BatchKVQCache):
         return self._offset
 
     def _roll_rows(self, shifts: mx.array) -> None:
-        self.keys = self.keys.map(lambda a: dynamic_roll(a, shifts[:, None], axis=2))
-        self.values = self.values.map(lambda a: dynamic_roll(a, shifts[:, None], axis=2))
+        self._keys = self._keys.map(lambda a: dynamic_roll(a, shifts[:, None], axis=2))
+        self._values = self._values.map(lambda a: dynamic_roll(a, shifts[:, None], axis=2))
 
     def _temporal_order(self) -> None:
         if self.rotated:
-            self.keys = self.keys.map(lambda a: mx.roll(a, -self._idx, axis=2))
-            self.values = self.values.map(lambda a: mx.roll(a, -self._idx, axis=2))
-            self._idx = self.keys.length
+            self._keys = self._keys.map(lambda a: mx.roll(a, -self._idx, axis=2))
+            self._values = self._values.map(lambda a: mx.roll(a, -self._idx, axis=2))
+            self._idx = self._keys.length
             self.rotated = False
 
     def _update_concat(self, k: Store, v: Store) -> None:
-        if self.keys is None:
-            self.keys, self.values = k, v
+        if self._keys is None:
+            self._keys, self._values = k, v
         else:
             self._temporal_order()
-            if self.keys.length > self._idx:
-                self.keys = self.keys[..., : self._idx, :]
-                self.values = self.values[..., : self._idx, :]
+            if self._keys.length > self._idx:
+                self._keys = self._keys[..., : self._idx, :]
+                self._values = self._values[..., : self._idx, :]
             if self._lengths is not None:
                 roll = mx.maximum(0, self.offset - self._lengths)
                 self._roll_rows(roll)
@@ -250,14 +251,14 @@ class KVQBatchWindowCache(BatchKVQCache):
             trim_size = self._idx - self.max_size + 1
             if trim_size > 0:
                 self.left_padding = self.left_padding - trim_size
-                self.keys = self.keys[..., trim_size:, :]
-                self.values = self.values[..., trim_size:, :]
-            self.keys = Store.concat([self.keys, k])
-            self.values = Store.concat([self.values, v])
+                self._keys = self._keys[..., trim_size:, :]
+                self._values = self._values[..., trim_size:, :]
+            self._keys = Store.concat([self._keys, k])
+            self._values = Store.concat([self._values, v])
         n = k.length
         self.offset = self.offset + n
         self._offset += n
-        self._idx = self.keys.length
+        self._idx = self._keys.length
 
     def _update_in_place(self, k: Store, v: Store) -> None:
         if self._lengths is not None:
@@ -265,13 +266,13 @@ class KVQBatchWindowCache(BatchKVQCache):
                 "finalize() must be called before decoding with a batch window cache"
             )
         prev = self._offset
-        if self.keys is None or (prev >= self.keys.length and self.keys.length < self.max_size):
+        if self._keys is None or (prev >= self._keys.length and self._keys.length < self.max_size):
             self._append_room(k, v, min(self.step, self.max_size - prev))
             self._idx = prev
-        trim_size = self.keys.length - self.max_size
+        trim_size = self._keys.length - self.max_size
         if trim_size > 0:
-            self.keys = self.keys[..., trim_size:, :]
-            self.values = self.values[..., trim_size:, :]
+            self._keys = self._keys[..., trim_size:, :]
+            self._values = self._values[..., trim_size:, :]
             self._idx = self.max_size
             self.left_padding = self.left_padding - trim_size
         if self._idx == self.max_size:
@@ -279,8 +280,8 @@ class KVQBatchWindowCache(BatchKVQCache):
             self._idx = 0
         if self.rotated:
             self.left_padding = self.left_padding - 1
-        self.keys[..., self._idx : self._idx + 1, :] = k
-        self.values[..., self._idx : self._idx + 1, :] = v
+        self._keys[..., self._idx : self._idx + 1, :] = k
+        self._values[..., self._idx : self._idx + 1, :] = v
         self._offset += 1
         self.offset = self.offset + 1
         self._idx += 1
@@ -295,7 +296,7 @@ class KVQBatchWindowCache(BatchKVQCache):
         return self.keys_and_values()
 
     def keys_and_values(self):
-        k, v = self.keys, self.values
+        k, v = self._keys, self._values
         if self._offset < k.length:
             k, v = k[..., : self._offset, :], v[..., : self._offset, :]
         return self._hand_out(k, v)
@@ -350,8 +351,8 @@ class KVQBatchWindowCache(BatchKVQCache):
 
     def extend(self, other: KVQBatchWindowCache) -> None:
         if (
-            self.keys is not None
-            and other.keys is not None
+            self._keys is not None
+            and other._keys is not None
             and (self.rotated != other.rotated or self._idx != other._idx)
         ):
             self._temporal_order()
@@ -366,16 +367,16 @@ class KVQBatchWindowCache(BatchKVQCache):
         )
         cache.dtype = self.dtype
         pad = max(0, self.left_padding.tolist()[idx])
-        k, v = self.keys[idx : idx + 1], self.values[idx : idx + 1]
+        k, v = self._keys[idx : idx + 1], self._values[idx : idx + 1]
         end = self._idx
         if self.rotated:
             k = k.map(lambda a: mx.roll(a, -self._idx, axis=2))
             v = v.map(lambda a: mx.roll(a, -self._idx, axis=2))
             end = self.max_size
-        cache.keys = k[:, :, pad:end].map(mx.contiguous)
-        cache.values = v[:, :, pad:end].map(mx.contiguous)
+        cache._keys = k[:, :, pad:end].map(mx.contiguous)
+        cache._values = v[:, :, pad:end].map(mx.contiguous)
         cache.offset = self.offset.tolist()[idx]
-        cache._idx = cache.keys.length
+        cache._idx = cache._keys.length
         return cache
 
     @classmethod
@@ -396,11 +397,12 @@ class KVQBatchWindowCache(BatchKVQCache):
             )
 
         def fetch(c: KVQWindowCache, n: int):
-            return c._temporal_order(c.keys)[..., -n:, :], c._temporal_order(c.values)[..., -n:, :]
+            k, v = c._temporal_order(c._keys), c._temporal_order(c._values)
+            return k[..., -n:, :], v[..., -n:, :]
 
         keys, values, padding = merge_stores(caches, lengths, fetch)
         cache = cls(c0.max_size, padding, c0.key_spec, c0.value_spec, c0.start, c0.hand_out)
-        cache.keys, cache.values = keys, values
+        cache._keys, cache._values = keys, values
         cache.offset = mx.array(offsets)
         cache._idx = keys.length
         cache._offset = keys.length

@@ -17,7 +17,7 @@ See docs/distributed.md.
 """
 
 from .group import broadcast_json, gather_json, launched, rank, size, world
-from .loading import PIPELINE, TENSOR, Shard, enable_pipeline_caches, load_sharded, sync_seed
+from .loading import PIPELINE, TENSOR, Shard, load_sharded, sync_seed
 from .planning import gather_kv_bytes, plan_on_every_rank, rank_info, ranks_table
 
 __all__ = [
@@ -25,7 +25,6 @@ __all__ = [
     "TENSOR",
     "Shard",
     "broadcast_json",
-    "enable_pipeline_caches",
     "gather_json",
     "gather_kv_bytes",
     "launched",

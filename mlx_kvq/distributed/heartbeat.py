@@ -11,9 +11,9 @@ partition, a frozen process). A rank whose engine fails says so on the
 channel before it stops, so rank 0 can give the reason. Followers treat the
 loss of rank 0 the same way.
 
-What to do on a loss is the caller's `on_lost(rank, reason)`: at startup
-the group exits; once serving, rank 0 fails readiness (503 with the reason)
-and every in-flight request.
+What to do on a loss is the caller's `on_lost(RankLoss)`: at startup the
+group exits; once serving, rank 0 fails readiness (503 with the reason) and
+every in-flight request.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .group import broadcast_json, env_leader_host, world
 
@@ -34,13 +35,26 @@ INTERVAL_S = float(os.environ.get("MLX_KVQ_HEARTBEAT_INTERVAL", "0.5"))
 TIMEOUT_S = float(os.environ.get("MLX_KVQ_HEARTBEAT_TIMEOUT", "10"))
 CONNECT_TIMEOUT_S = 60.0
 
-LostCallback = Callable[[int | None, str], None]
+
+@dataclass(frozen=True)
+class RankLoss:
+    """A rank (None: the whole group, e.g. a stuck step) that can no longer take part.
+
+    `reported` is True when the rank said why itself before it stopped.
+    """
+
+    rank: int | None
+    reason: str
+    reported: bool = False
 
 
-def abort_on_loss(rank: int | None, reason: str) -> None:
+LostCallback = Callable[[RankLoss], None]
+
+
+def abort_on_loss(loss: RankLoss) -> None:
     """Startup / CLI policy: nothing can be served without every rank; leave now."""
-    who = "the group" if rank is None else f"rank {rank}"
-    msg = f"mlx-kvq: error: rank {world().rank()}: {who} is gone ({reason}); stopping"
+    who = "the group" if loss.rank is None else f"rank {loss.rank}"
+    msg = f"mlx-kvq: error: rank {world().rank()}: {who} is gone ({loss.reason}); stopping"
     print(msg, flush=True)
     os._exit(3)
 
@@ -156,7 +170,9 @@ class Heartbeat:
             ok = self._connected.wait_for(lambda: expected <= set(self._peers), timeout)
             missing = sorted(expected - set(self._peers))
         if not ok:
-            self._on_lost(missing[0], f"never connected to the heartbeat channel (ranks {missing})")
+            self._on_lost(
+                RankLoss(missing[0], f"never connected to the heartbeat channel (ranks {missing})")
+            )
 
     # ------------------------------------------------------------ running
     def _read_loop(self, peer: int, conn: socket.socket) -> None:
@@ -185,7 +201,7 @@ class Heartbeat:
                 except ValueError:
                     continue
                 if msg.get("t") == "fatal":
-                    self._lose(peer, f"failed: {msg.get('reason')}")
+                    self._lose(peer, str(msg.get("reason")), reported=True)
                 elif msg.get("t") == "group_failed":
                     self.on_group_failed(str(msg.get("reason")))
 
@@ -215,7 +231,7 @@ class Heartbeat:
             self._lose(peer, f"heartbeat connection failed: {e}")
             return False
 
-    def _lose(self, peer: int | None, reason: str) -> None:
+    def _lose(self, peer: int | None, reason: str, reported: bool = False) -> None:
         if self._closing:
             return
         key = -1 if peer is None else peer
@@ -224,13 +240,9 @@ class Heartbeat:
                 return
             self._lost[key] = reason
         log.error("%s lost: %s", "group" if peer is None else f"rank {peer}", reason)
-        self._on_lost(peer, reason)
+        self._on_lost(RankLoss(peer, reason, reported))
 
     # ------------------------------------------------------------ queries
-    def lost(self) -> dict[int, str]:
-        with self._lock:
-            return dict(self._lost)
-
     def up(self, peer: int) -> bool:
         if peer == self.rank:
             return True

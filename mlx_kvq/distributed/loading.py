@@ -2,19 +2,24 @@
 
 Tensor parallel (the default, as in mlx-lm): every rank holds every layer
 with `1/N` of the attention heads, so its caches hold `1/N` of the KV heads.
-Pipeline parallel (`--pipeline`): rank `r` holds a contiguous run of layers
-(rank 0 the last ones, as mlx-lm splits them) and caches for those only.
+A layer with fewer KV heads than ranks (or a count `N` does not divide) has
+its KV heads replicated first, as vLLM does (and mlx-lm's qwen3_5 in its own
+`shard()`): each head is repeated until `N` divides the count, so each rank
+holds whole copies of the heads its query heads read. Pipeline parallel
+(`--pipeline`): rank `r` holds a contiguous run of layers (rank 0 the last
+ones, as mlx-lm splits them) and caches for those only.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_map
 
-from ..caches.base import KVQCache
-from ..quant import Store
 from .group import world
 
 TENSOR = "tensor"
@@ -31,19 +36,12 @@ class Shard:
     first_layer: int  # global index of this rank's first model layer
     num_layers: int  # model layers on this rank
     total_layers: int  # model layers of the whole model
+    kv_layout: str = ""  # how tensor parallelism placed the KV heads (TensorLayout)
 
     @property
     def layers(self) -> str:
         last = self.first_layer + self.num_layers - 1
         return str(self.first_layer) if last == self.first_layer else f"{self.first_layer}-{last}"
-
-    def describe(self) -> str:
-        if self.mode == PIPELINE:
-            return f"rank {self.rank}/{self.size}: layers {self.layers} of {self.total_layers}"
-        return f"rank {self.rank}/{self.size}: 1/{self.size} of the heads of all {self.total_layers} layers"
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "layers": self.layers}
 
 
 def load_sharded(
@@ -52,25 +50,32 @@ def load_sharded(
     *,
     tokenizer_config: dict | None = None,
     trust_remote_code: bool = False,
+    layout: TensorLayout | None = None,
 ) -> tuple[Any, Any, dict, Shard]:
     """mlx-lm's `sharded_load` over the whole group, plus this rank's `Shard`.
 
-    Pipeline mode also makes the quantized caches usable at the stage
-    boundary (see `enable_pipeline_caches`).
+    `layout` is what `planning.check_sharding` decided from config.json
+    before any weight was read; when it replicates KV heads, the tensor
+    parallel load repeats them before mlx-lm's `shard()` (`load_replicated`).
+    Pipeline stages end with `cache[-1].keys = mx.depends(cache[-1].keys, h)`
+    in mlx-lm's model code; quantized caches take that as they are (see
+    `KVQCache.keys`).
     """
     from mlx_lm.utils import sharded_load
 
     g = world()
-    if pipeline:
-        enable_pipeline_caches()
-    model, tokenizer, config = sharded_load(
-        path,
-        pipeline_group=g if pipeline else None,
-        tensor_group=None if pipeline else g,
-        return_config=True,
-        tokenizer_config=tokenizer_config or {"trust_remote_code": trust_remote_code},
-        trust_remote_code=trust_remote_code,
-    )
+    tokenizer_config = tokenizer_config or {"trust_remote_code": trust_remote_code}
+    if not pipeline and layout is not None and layout.replicate:
+        model, tokenizer, config = load_replicated(path, g, tokenizer_config, trust_remote_code)
+    else:
+        model, tokenizer, config = sharded_load(
+            path,
+            pipeline_group=g if pipeline else None,
+            tensor_group=None if pipeline else g,
+            return_config=True,
+            tokenizer_config=tokenizer_config,
+            trust_remote_code=trust_remote_code,
+        )
     inner = getattr(model, "model", None)
     if pipeline:
         total = len(inner.layers)
@@ -79,66 +84,149 @@ def load_sharded(
         shard = Shard(PIPELINE, g.rank(), g.size(), first, count, total)
     else:
         total = len(getattr(model, "layers", []) or [])
-        shard = Shard(TENSOR, g.rank(), g.size(), 0, total, total)
+        described = layout.describe() if layout is not None else ""
+        shard = Shard(TENSOR, g.rank(), g.size(), 0, total, total, described)
     return model, tokenizer, config, shard
 
 
-# -- pipeline stage boundary ---------------------------------------------------
-class _DependableStore(Store):
-    """A `Store` that `mx.depends` accepts: a sequence of its arrays.
+# -- which sharding a model has (mlx-lm's own test, in `sharded_load`) ----------
+def sharding_support(model) -> tuple[bool, bool]:
+    """(tensor parallel, pipeline parallel): what mlx-lm's `sharded_load`
+    accepts for this model (a `shard()` method; a `model.pipeline()`)."""
+    inner = getattr(model, "model", None)
+    return hasattr(model, "shard"), inner is not None and hasattr(inner, "pipeline")
 
-    mlx-lm's pipeline models end each non-final stage with
-    `cache[-1].keys = mx.depends(cache[-1].keys, h)`, which ties the send of
-    the hidden state to the cache so that evaluating the cache (prefill)
-    performs the send. `mx.depends` takes an array or a sequence of arrays;
-    a plain `Store` is neither (and, having `__getitem__` without `__len__`,
-    would be iterated forever).
+
+# -- KV heads replicated across ranks -------------------------------------------
+@dataclass(frozen=True)
+class KVHeads:
+    """Where a model module's attention keeps its KV head count.
+
+    Every decoder layer's `self_attn` has `k_proj` / `v_proj` whose output
+    rows are the KV heads one after another, and `attribute` holds their
+    count (what the module's `shard()` divides by the ranks); `derived`
+    recomputes attributes computed from it.
     """
 
-    __slots__ = ()
-
-    def __len__(self) -> int:
-        return len(self.parts)
-
-    def __iter__(self):
-        return iter(self.parts)
-
-    def __getitem__(self, idx):
-        if type(idx) is int:
-            return self.parts[idx]
-        return Store.__getitem__(self, idx)
+    attribute: str
+    derived: Callable[[Any], None] | None = None
 
 
-def _get_keys(self):
-    v = self.__dict__.get("keys")
-    if type(v) is Store:
-        v.__class__ = _DependableStore
-    return v
+def _gpt_oss_groups(attn) -> None:
+    attn.num_key_value_groups = attn.num_attention_heads // attn.num_key_value_heads
 
 
-def _set_keys(self, value) -> None:
-    if isinstance(value, (list, tuple)):  # what mx.depends hands back
-        old = self.__dict__.get("keys")
-        value = _DependableStore(value, old.spec)
-    self.__dict__["keys"] = value
+# Model modules (mlx_lm.models.<name>, mlx-lm 0.32.2) whose KV heads mlx-kvq
+# replicates: read from each module's Attention and shard(). Others with too
+# few KV heads are refused before loading (planning.check_sharding).
+KV_HEADS: dict[str, KVHeads] = {
+    "exaone_moe": KVHeads("n_kv_heads"),
+    "glm4_moe": KVHeads("n_kv_heads"),
+    "gpt_oss": KVHeads("num_key_value_heads", _gpt_oss_groups),
+    "iquestloopcoder": KVHeads("n_kv_heads"),
+    "llama": KVHeads("n_kv_heads"),
+    "ministral3": KVHeads("n_kv_heads"),
+    "qwen2": KVHeads("n_kv_heads"),
+    "qwen3": KVHeads("n_kv_heads"),
+    "qwen3_moe": KVHeads("n_kv_heads"),
+    "step3p5": KVHeads("num_kv_heads"),
+}
 
 
-_ENABLED = False
+def model_module(model) -> str:
+    """The mlx-lm module that defines `model` (the key of `KV_HEADS`)."""
+    return type(model).__module__.rsplit(".", 1)[-1]
 
 
-def enable_pipeline_caches() -> None:
-    """Let mlx-lm's pipeline code put its send dependency on quantized caches.
+def kv_replicas(kv_heads: int, ranks: int) -> int:
+    """Copies of each KV head so that `ranks` divides the count (1: none)."""
+    return 1 if kv_heads % ranks == 0 else ranks // math.gcd(kv_heads, ranks)
 
-    Installs a `keys` property on `KVQCache` (every mlx-kvq cache, batch
-    forms included) that hands out a `Store` `mx.depends` can take and turns
-    the list it returns back into a `Store`. Storage and behaviour are
-    otherwise unchanged. Idempotent; only pipeline ranks call it.
+
+def replicate_kv_heads(model, ranks: int) -> list[int]:
+    """Repeat each KV head of every attention layer (in place, before
+    `shard()`) so that `ranks` divides the count: head `j` becomes copies
+    `j*r .. j*r + r - 1`, so query head `h` still reads a copy of the head it
+    read (`h // (q_heads / kv_heads)`), alone or sharded. Returns the copies
+    per layer. Only for modules declared in `KV_HEADS`."""
+    decl = KV_HEADS[model_module(model)]
+    copies = []
+    for layer in model.layers:
+        attn = layer.self_attn
+        heads = getattr(attn, decl.attribute)
+        r = kv_replicas(heads, ranks)
+        copies.append(r)
+        if r == 1:
+            continue
+
+        def repeat(p, heads=heads, r=r):
+            rows = p.reshape(heads, p.shape[0] // heads, *p.shape[1:])
+            return mx.repeat(rows, r, axis=0).reshape(-1, *p.shape[1:])
+
+        for proj in (attn.k_proj, attn.v_proj):
+            proj.update(tree_map(repeat, proj.parameters()))
+        setattr(attn, decl.attribute, heads * r)
+        if decl.derived is not None:
+            decl.derived(attn)
+    return copies
+
+
+def load_replicated(path: str, group, tokenizer_config: dict, trust_remote_code: bool):
+    """mlx-lm's tensor-parallel `sharded_load`, with the KV heads replicated
+    (`replicate_kv_heads`) between loading the weights and `shard()`."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    from ..mlx_lm_internals import local_model
+
+    model_path = local_model(path)
+    model, config = load_model(
+        model_path, lazy=True, strict=False, trust_remote_code=trust_remote_code
+    )
+    tokenizer = load_tokenizer(
+        model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id", None)
+    )
+    replicate_kv_heads(model, group.size())
+    model.shard(group)
+    mx.eval(model.parameters())
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))  # as sharded_load
+    return model, tokenizer, config
+
+
+SPLIT = "split"  # 1/N of the KV heads per rank (mlx-lm's sharding)
+REPLICATED = "replicated by mlx-kvq"  # heads repeated before sharding
+MODEL_KEEPS = "kept whole by the model's shard()"  # e.g. a latent cache every rank holds
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Where tensor parallelism puts the KV heads, decided from config.json.
+
+    `kv_heads` / `rank_kv_heads`: per KV cache slot, the whole model's and
+    each rank's; `how` is SPLIT, REPLICATED or MODEL_KEEPS; `copies`: per
+    layer, how many copies of each KV head (REPLICATED).
     """
-    global _ENABLED
-    if _ENABLED:
-        return
-    KVQCache.keys = property(_get_keys, _set_keys)
-    _ENABLED = True
+
+    model_type: str
+    ranks: int
+    kv_heads: tuple[int, ...]
+    rank_kv_heads: tuple[int, ...]
+    how: str = SPLIT
+    copies: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def replicate(self) -> bool:
+        return self.how == REPLICATED
+
+    def describe(self) -> str:
+        heads = "/".join(map(str, sorted(set(self.kv_heads)))) or "-"
+        local = "/".join(map(str, sorted(set(self.rank_kv_heads)))) or "-"
+        text = f"KV heads {heads} per layer, {local} per rank over {self.ranks} ranks"
+        if self.how == SPLIT:
+            return text + " (split)"
+        if self.how == REPLICATED:
+            r = "/".join(map(str, sorted({c for c in self.copies if c > 1})))
+            return text + f" (each KV head replicated x{r} so every rank holds whole heads)"
+        return text + f" ({MODEL_KEEPS})"
 
 
 def sync_seed(seed: int | None = None) -> int:

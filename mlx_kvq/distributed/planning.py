@@ -8,14 +8,129 @@ naming the failing ranks, so the whole group stops at startup.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ..caches import cache_report
 from ..config import KVConfig, UnsupportedKVConfig
-from ..plan import KVPlan, plan_kv
-from .group import gather_json
-from .loading import Shard
+from ..mlx_lm_internals import local_model
+from ..plan import KVPlan, model_from_config, model_type_of, plan_kv
+from .group import gather_json, world
+from .loading import (
+    KV_HEADS,
+    MODEL_KEEPS,
+    REPLICATED,
+    SPLIT,
+    Shard,
+    TensorLayout,
+    model_module,
+    replicate_kv_heads,
+    sharding_support,
+)
+
+
+# -- before loading: can this group shard this model? ----------------------------
+def config_path(path: str | Path) -> Path:
+    """The local model directory holding config.json (mlx-lm downloads the
+    json files of a Hugging Face repo first, as `sharded_load` does)."""
+    return local_model(str(path), allow_patterns=["*.json", "*.py"])
+
+
+def check_sharding(path: str | Path, pipeline: bool, group=None) -> TensorLayout | None:
+    """Decide, from config.json alone (no weights), whether the group can
+    shard this model, before anything is loaded; raise `UnsupportedKVConfig`
+    (exit 2) with the reason and the alternatives otherwise.
+
+    Pipeline: the model must have mlx-lm's `pipeline()` and at least one
+    layer per rank. Tensor: the model must have `shard()`; then this rank's
+    shard of the config-only model is planned lazily and its KV heads
+    compared with the whole model's: each rank must hold 1/N of the heads,
+    or whole heads (replicated by mlx-kvq for the modules in `KV_HEADS`, or
+    kept whole by the model's own `shard()`, as latent-attention caches are).
+    Returns the `TensorLayout` (None in pipeline mode).
+    """
+    g = group or world()
+    n = g.size()
+    model = model_from_config(config_path(path))
+    model_type = model_type_of(model)
+    tensor, pipelined = sharding_support(model)
+    if pipeline:
+        if not pipelined:
+            fix = "drop --pipeline (tensor parallel)" if tensor else "run it on one machine"
+            raise UnsupportedKVConfig(
+                f"--pipeline: {model_type} cannot be split by layers: its mlx-lm model has no "
+                f"pipeline() (mlx-lm's sharded_load would refuse while loading); {fix}"
+            )
+        layers = len(model.model.layers)
+        if layers < n:
+            raise UnsupportedKVConfig(
+                f"--pipeline: {model_type} has {layers} layers, fewer than the {n} ranks "
+                f"(each rank needs at least one); use at most {layers} ranks"
+            )
+        return None
+    if not tensor:
+        fix = "use --pipeline" if pipelined else "run it on one machine"
+        raise UnsupportedKVConfig(
+            f"{model_type} has no tensor parallelism in mlx-lm (its model has no shard()); {fix}"
+        )
+    whole = plan_kv(model, KVConfig()).kv_layers
+    heads = tuple(p.kv_heads for p in whole)
+    replicate = any(h % n for h in heads) and model_module(model) in KV_HEADS
+    local, copies, problem = None, (), None
+    try:
+        sharded = model_from_config(config_path(path))
+        if replicate:
+            copies = tuple(replicate_kv_heads(sharded, n))
+        sharded.shard(g)
+        local = plan_kv(sharded, KVConfig()).kv_layers
+    except Exception as e:  # noqa: BLE001 - the model's own shard() failing is the finding
+        problem = f"sharding it fails: {type(e).__name__}: {e}"
+    how = REPLICATED if replicate else SPLIT
+    if local is not None:
+        for p, q in zip(whole, local, strict=True):
+            expected = p.kv_heads * (kv_copies(copies, p) if replicate else 1) / n
+            if (q.key_dim, q.value_dim) != (p.key_dim, p.value_dim):
+                problem = (
+                    f"a rank's KV heads at cache slot {p.slot} would have dims "
+                    f"{q.key_dim}/{q.value_dim} instead of {p.key_dim}/{p.value_dim}"
+                )
+            elif q.kv_heads == p.kv_heads and n > 1 and not replicate:
+                how = MODEL_KEEPS
+            elif q.kv_heads != expected:
+                problem = (
+                    f"a rank would hold {q.kv_heads} KV heads at cache slot {p.slot} "
+                    f"instead of {expected:g}"
+                )
+            if problem:
+                break
+    if problem is not None:
+        raise UnsupportedKVConfig(_heads_message(model_type, model, heads, n, problem, pipelined))
+    return TensorLayout(model_type, n, heads, tuple(q.kv_heads for q in local), how, copies)
+
+
+def kv_copies(copies: tuple[int, ...], p) -> int:
+    """Copies of the KV heads of the layer holding cache slot `p.slot`."""
+    return copies[p.slot] if p.slot < len(copies) else 1
+
+
+def _heads_message(model_type, model, heads, n, problem, pipelined) -> str:
+    counts = "/".join(map(str, sorted(set(heads)))) or "no"
+    common = math.gcd(*heads) if heads else 0
+    sizes = [d for d in range(2, common + 1) if common % d == 0]
+    alternatives = []
+    if pipelined:
+        alternatives.append("--pipeline (each rank holds whole layers)")
+    if sizes:
+        alternatives.append(f"a group of {' or '.join(map(str, sizes))} ranks")
+    alternatives.append("one machine")
+    declared = ", ".join(sorted(KV_HEADS))
+    return (
+        f"{model_type} has {counts} KV head(s) per layer, which tensor parallelism over {n} "
+        f"ranks cannot split ({problem}); mlx-kvq replicates KV heads across ranks only for "
+        f"{declared}. Alternatives: {'; '.join(alternatives)}"
+    )
 
 
 def rank_info(plan: KVPlan, shard: Shard) -> dict[str, Any]:
@@ -33,6 +148,7 @@ def rank_info(plan: KVPlan, shard: Shard) -> dict[str, Any]:
         "summary": plan.summary(),
         "model_type": plan.model_type,
         "kv": plan.config.describe(),
+        "kv_layout": shard.kv_layout,
     }
 
 
@@ -104,6 +220,8 @@ def ranks_table(infos: list[dict[str, Any]], live_bytes: list[int] | None = None
         f"{first.get('model_type', 'model')} on {len(infos)} ranks ({first.get('mode')} parallel): "
         f"{first.get('kv', '')}, {total} KV bytes/token in all"
     )
+    if first.get("kv_layout"):
+        head += f"\n  {first['kv_layout']}"
     return "\n".join([head, *lines])
 
 

@@ -1,33 +1,57 @@
 """Serving core without HTTP: continuous batching over quantized KV caches."""
 
-from .engine import Engine, EngineOptions
+from .coordinator import (
+    Coordinator,
+    LocalCoordinator,
+    RankStatus,
+    RankView,
+    StepCommands,
+    StopNotice,
+    WarmupVerdict,
+)
+from .engine import SHUTTING_DOWN, Engine, EngineOptions
 from .metrics import EngineMetrics, MetricsSnapshot
 from .prompt_cache import PromptCache
 from .requests import (
     ErrorEvent,
     Event,
     FinishEvent,
+    FinishReason,
     GenerationRequest,
+    Outcome,
     SamplingParams,
     TokenEvent,
     Usage,
 )
-from .warmup import Readiness, WarmupFailed, check_batch_path
+from .warmup import Readiness, ReadinessState, Status, WarmupFailed, check_batch_path, warmup_spec
 
 __all__ = [
+    "SHUTTING_DOWN",
+    "Coordinator",
     "Engine",
     "EngineMetrics",
     "EngineOptions",
     "ErrorEvent",
     "Event",
     "FinishEvent",
+    "FinishReason",
     "GenerationRequest",
+    "LocalCoordinator",
     "MetricsSnapshot",
+    "Outcome",
     "PromptCache",
+    "RankStatus",
+    "RankView",
     "Readiness",
+    "ReadinessState",
     "SamplingParams",
+    "Status",
+    "StepCommands",
+    "StopNotice",
     "TokenEvent",
     "Usage",
     "WarmupFailed",
+    "WarmupVerdict",
     "check_batch_path",
+    "warmup_spec",
 ]

@@ -1,12 +1,17 @@
 """The serving engine: one thread that owns the model and decodes in batches.
 
-HTTP handlers call `submit()` and `cancel()` from any thread; the engine
-thread takes requests off a queue between steps, inserts them into mlx-lm's
-`BatchGenerator` with caches from the KV plan (quantized, full and
-sliding-window alike), steps the batch, and pushes token events back through
-each request's sink. Finished sequences leave their caches in the prompt
-cache; cancelled ones are removed from the batch at the next step, which
-releases their cache memory.
+Other threads call `submit()`, `cancel()`, `drain()`, `stop()` and `fail()`;
+the first three post small messages to the engine's inbox. Between steps the
+engine thread turns its inbox into this step's `StepCommands`, hands them to
+its coordinator (the identity for a single process; under `mlx.launch`, rank
+0's commands become every rank's), applies them, inserts requests into
+mlx-lm's `BatchGenerator` with caches from the KV plan (quantized, full and
+sliding-window alike), steps the batch and pushes events back through each
+request's sink. Finished sequences leave their caches in the prompt cache;
+cancelled ones leave the batch at the next step, which frees their memory.
+
+Whatever one request carries (its sampler, its text) can only fail that
+request: the batch and the engine go on (see `sampling.Guarded`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,23 +30,42 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import greedy_sampler
 
+from mlx_kvq.caches import cache_report
 from mlx_kvq.config import KVConfig
+from mlx_kvq.mlx_lm_internals import batch_caches
+from mlx_kvq.plan import KV_KINDS, KVPlan
 
+from .coordinator import (
+    Coordinator,
+    LocalCoordinator,
+    RankStatus,
+    StepCommands,
+    StopNotice,
+    WarmupVerdict,
+)
 from .metrics import EngineMetrics
 from .prompt_cache import PromptCache
 from .requests import (
+    Cancel,
     ErrorEvent,
+    Event,
     EventSink,
     FinishEvent,
+    FinishReason,
     GenerationRequest,
+    Message,
+    Outcome,
+    Stop,
+    Submit,
     TokenEvent,
     Usage,
 )
-from .sampling import SamplerPool, top_logprobs
+from .sampling import Guarded, SamplerPool, top_logprobs
 from .stops import StopMatcher
 from .warmup import (
-    KV_KINDS,
     Readiness,
+    ReadinessState,
+    Status,
     WarmupFailed,
     verify_warmup,
     warmup_spec,
@@ -51,6 +74,7 @@ from .warmup import (
 log = logging.getLogger("mlx_kvq.engine")
 
 IDLE_POLL_S = 0.1  # how long the idle engine thread waits for work per poll
+SHUTTING_DOWN = "server is shutting down"
 WARMUP_TEXT = (
     "The quick brown fox jumps over the lazy dog while the server warms up its "
     "quantized caches, one token at a time. "
@@ -70,6 +94,10 @@ class EngineOptions:
     warmup_gate: str | None = None  # warm-up waits until this file exists (tests)
 
 
+def _discard(_event: Event) -> None:
+    """The sink of a request this process does not answer (a follower rank)."""
+
+
 @dataclass
 class _Live:
     """Engine-side state of one admitted request."""
@@ -78,6 +106,7 @@ class _Live:
     sink: EventSink
     detokenizer: Any
     stopper: StopMatcher
+    sampler: Guarded | None = None
     cached: int = 0
     completion_tokens: int = 0
     uid: int | None = None
@@ -103,36 +132,36 @@ class Engine:
         self,
         model: Any,
         tokenizer: Any,
-        plan: Any,
+        plan: KVPlan,
         kv_config: KVConfig,
         options: EngineOptions | None = None,
         *,
-        cache_report: Callable[[list], list[dict]] | None = None,
+        coordinator: Coordinator | None = None,
         metrics: EngineMetrics | None = None,
     ):
-        if cache_report is None:
-            from mlx_kvq.caches import cache_report
         materialize(model)
         self.model = model
         self.tokenizer = tokenizer
         self.plan = plan
         self.kv_config = kv_config
         self.options = options or EngineOptions()
-        self.cache_report = cache_report
+        self.coordinator = coordinator or LocalCoordinator()
         self.metrics = metrics or EngineMetrics()
         self.readiness = Readiness()
         self.prompt_cache = PromptCache(
             self.options.prompt_cache_size, self.options.prompt_cache_bytes
         )
         self.max_context = self.options.max_context
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox: queue.Queue[Message] = queue.Queue()
+        self._sinks: dict[int, EventSink] = {}  # submitted requests not yet accepted
         self._pending: deque[_Live] = deque()
         self._live: dict[int, _Live] = {}  # by BatchGenerator uid
         self._samplers = SamplerPool()
         self._eos = StopSequences([(t,) for t in tokenizer.eos_token_ids])
         self._kv_fraction = (0, 0)  # (quantized KV slots, KV slots) last seen
-        self._lock = threading.Lock()  # guards _closed against submit()
+        self._lock = threading.Lock()  # guards _closed, the inbox and the request sets
         self._closed: str | None = None  # reason new requests are refused
+        self._failed = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlx-kvq-engine", daemon=True)
         self._bg: BatchGenerator | None = None
@@ -143,27 +172,53 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the engine; requests still running are answered with an error."""
         self._stopping.set()
-        self._inbox.put(("stop",))
+        self._inbox.put(Stop())
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def drain(self, reason: str = SHUTTING_DOWN) -> None:
+        """Refuse new requests (503) while those already submitted run to the end."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = reason
+        self.readiness.set_draining(reason)
+
+    def fail(self, reason: str) -> None:
+        """Stop serving for good, from any thread: readiness fails with `reason`
+        and every waiting and running request gets it as an error at once
+        (the engine thread may be stuck, e.g. in a collective with a dead rank)."""
+        self._failed.set()
+        self.readiness.set_failed(reason)
+        self._end_all(reason)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def state(self) -> ReadinessState:
+        """Readiness as the probes report it: ready only while the engine thread runs."""
+        state = self.readiness.get()
+        if state.status is Status.READY and not self.alive:
+            return ReadinessState(Status.FAILED, "engine thread exited", state.report)
+        return state
+
     def submit(self, request: GenerationRequest, sink: EventSink) -> None:
         """Queue a request; its events arrive through `sink` (on the engine thread)."""
         with self._lock:
             if self._closed is None:
-                self._inbox.put(("submit", request, sink))
+                self._inbox.put(Submit(request, sink))
                 return
             reason = self._closed
         sink(ErrorEvent(reason, 503, "engine_unavailable"))
 
     def cancel(self, request_id: int) -> None:
         """Drop a request (client gone); a no-op once it has finished."""
-        self._inbox.put(("cancel", request_id))
+        self._inbox.put(Cancel(request_id))
 
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -174,68 +229,114 @@ class Engine:
                 prefill_batch_size=self.options.prompt_concurrency,
                 prefill_step_size=self.options.prefill_step_size,
             )
-            if not self._warmup():
+            if not self._wait_for_gate():
                 return
-            while self._take_inbox(block=not (self._live or self._pending)):
+            verdict = self.coordinator.agree_warmup(self._warmup())
+            if not verdict.ok:
+                self._shutdown(verdict.error or "warm-up failed")
+                return
+            self.readiness.set_ready(verdict.report or {})
+            self._publish()
+            while not self._failed.is_set():
+                commands = self._collect(block=not (self._live or self._pending))
+                commands = self.coordinator.step(commands, self._status())
+                self._apply(commands)
+                if commands.stop:
+                    break
                 self._admit()
                 if self._live:
                     self._step()
                 self._publish()
-            self._shutdown("server is shutting down")
+            self._shutdown(SHUTTING_DOWN, normal=True)
         except Exception as e:  # the engine is dead: say why, everywhere
             log.exception("engine thread failed")
             self._shutdown(f"engine failed: {type(e).__name__}: {e}")
 
-    def _shutdown(self, reason: str) -> None:
-        """Refuse new work, fail everything in flight, and report `reason`."""
-        with self._lock:
-            self._closed = reason
-        if self.readiness.get().status != "failed":
+    def _shutdown(self, reason: str, normal: bool = False) -> None:
+        """Refuse new work, answer everything in flight with `reason`, release the batch."""
+        notice = StopNotice(reason, normal and not self._failed.is_set())
+        reason = self.coordinator.stopping(notice)
+        if not self._failed.is_set():
             self.readiness.set_failed(reason)
-        waiting = list(self._live.values()) + list(self._pending)
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item[0] == "submit":
-                item[2](ErrorEvent(reason, 503, "engine_unavailable"))
-        for live in waiting:
-            live.sink(ErrorEvent(reason, 503, "engine_unavailable"))
-            self.metrics.count_request("error")
-        self._live.clear()
-        self._pending.clear()
+        self._end_all(reason)
         self._bg = None
         self._publish()
 
-    def _take_inbox(self, block: bool) -> bool:
-        """Move queued submissions and cancellations in; False when asked to stop."""
-        try:
-            item = self._inbox.get(timeout=IDLE_POLL_S) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return True
-        cancels = set()
-        while True:
-            if item[0] == "stop":
+    def _end_all(self, reason: str) -> None:
+        """Refuse new requests and answer every queued and running one with an error."""
+        with self._lock:
+            self._closed = reason
+            ended = list(self._live.values()) + list(self._pending)
+            self._live, self._pending = {}, deque()
+            sinks, self._sinks = list(self._sinks.values()), {}
+            while True:
+                try:
+                    message = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(message, Submit):
+                    sinks.append(message.sink)
+        for sink in sinks:
+            sink(ErrorEvent(reason, 503, "engine_unavailable"))
+        for live in ended:
+            live.sink(ErrorEvent(reason, 503, "engine_unavailable"))
+            self.metrics.count_request(Outcome.ERROR)
+
+    def _wait_for_gate(self) -> bool:
+        """Tests hold the warm-up back until a file exists; False if stopped meanwhile."""
+        gate = self.options.warmup_gate
+        while gate and not os.path.exists(gate):
+            if self._stopping.wait(0.05):
+                self._shutdown(SHUTTING_DOWN, normal=True)
                 return False
-            if item[0] == "submit":
-                self._accept(item[1], item[2])
-            else:
-                cancels.add(item[1])
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-        if cancels:
-            self._cancel(cancels)
         return True
+
+    def _collect(self, block: bool) -> StepCommands:
+        """This process's inbox as the step's commands (followers have no inbox)."""
+        if not self.coordinator.leader:
+            return StepCommands()
+        messages: list[Message] = []
+        try:
+            messages.append(
+                self._inbox.get(timeout=IDLE_POLL_S) if block else self._inbox.get_nowait()
+            )
+            while True:
+                messages.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        submits: list[GenerationRequest] = []
+        cancels: set[int] = set()
+        stop = False
+        for m in messages:
+            if isinstance(m, Stop):
+                stop = True
+            elif isinstance(m, Cancel):
+                cancels.add(m.request_id)
+            elif stop:  # queued behind the stop: refused, like any later request
+                m.sink(ErrorEvent(SHUTTING_DOWN, 503, "engine_unavailable"))
+            else:
+                self._sinks[m.request.id] = m.sink
+                submits.append(m.request)
+        return StepCommands(tuple(submits), frozenset(cancels), stop)
+
+    def _status(self) -> RankStatus:
+        return RankStatus(
+            kv_bytes=int(sum(self.metrics.kv_bytes_by_kind.values())),
+            prompt_cache_bytes=self.prompt_cache.nbytes,
+        )
+
+    def _apply(self, commands: StepCommands) -> None:
+        for request in commands.submits:
+            self._accept(request, self._sinks.pop(request.id, _discard))
+        if commands.cancels:
+            self._cancel(set(commands.cancels))
 
     def _accept(self, req: GenerationRequest, sink: EventSink) -> None:
         """Validate and queue a request for a batch slot."""
         n = len(req.prompt)
         if n == 0:
             sink(ErrorEvent("the prompt is empty", 400, "empty_prompt"))
-            self.metrics.count_request("rejected")
+            self.metrics.count_request(Outcome.REJECTED)
             return
         if self.max_context is not None and n >= self.max_context:
             sink(
@@ -246,7 +347,7 @@ class Engine:
                     "context_length_exceeded",
                 )
             )
-            self.metrics.count_request("rejected")
+            self.metrics.count_request(Outcome.REJECTED)
             return
         self._pending.append(
             _Live(req, sink, self.tokenizer.detokenizer, StopMatcher(req.params.stop))
@@ -255,14 +356,14 @@ class Engine:
     def _cancel(self, ids: set[int]) -> None:
         kept = deque(live for live in self._pending if live.request.id not in ids)
         for _ in range(len(self._pending) - len(kept)):
-            self.metrics.count_request("cancelled")
+            self.metrics.count_request(Outcome.CANCELLED)
         self._pending = kept
         uids = [uid for uid, live in self._live.items() if live.request.id in ids]
         if uids:
             self._bg.remove(uids)
             for uid in uids:
                 live = self._live.pop(uid)
-                self.metrics.count_request("cancelled")
+                self.metrics.count_request(Outcome.CANCELLED)
                 log.info(
                     "request %d cancelled after %d tokens", live.request.id, live.completion_tokens
                 )
@@ -271,26 +372,33 @@ class Engine:
         """Insert queued requests into the batch while decode slots are free."""
         while self._pending and len(self._live) < self.options.decode_concurrency:
             live = self._pending.popleft()
-            prompt = live.request.prompt
-            cache, cached = self.prompt_cache.fetch(prompt)
-            if cache is None:
-                cache, cached = self.plan.make_cache(), 0
-            live.cached = cached
-            self.metrics.record_cached_tokens(cached)
-            max_tokens = live.request.params.max_tokens
-            if self.max_context is not None:
-                max_tokens = min(max_tokens, self.max_context - len(prompt))
-            (uid,) = self._bg.insert(
-                [prompt[cached:]],
-                max_tokens=[max_tokens],
-                caches=[cache],
-                all_tokens=[prompt[:cached]],
-                samplers=[self._samplers.get(live.request.params)],
-                stop_sequences=[self._eos],
-            )
-            live.uid = uid
-            self._live[uid] = live
+            try:
+                self._insert(live)
+            except Exception as e:  # noqa: BLE001 - this request's settings, not the engine
+                self._fail(live, e)
         self._trim_prompt_cache()
+
+    def _insert(self, live: _Live) -> None:
+        prompt = list(live.request.prompt)
+        live.sampler = self._samplers.get(live.request.params)
+        cache, cached = self.prompt_cache.fetch(prompt)
+        if cache is None:
+            cache, cached = self.plan.make_cache(), 0
+        live.cached = cached
+        self.metrics.record_cached_tokens(cached)
+        max_tokens = live.request.params.max_tokens
+        if self.max_context is not None:
+            max_tokens = min(max_tokens, self.max_context - len(prompt))
+        (uid,) = self._bg.insert(
+            [prompt[cached:]],
+            max_tokens=[max_tokens],
+            caches=[cache],
+            all_tokens=[prompt[:cached]],
+            samplers=[live.sampler],
+            stop_sequences=[self._eos],
+        )
+        live.uid = uid
+        self._live[uid] = live
 
     def _step(self) -> None:
         with self._bg.stats() as stats:
@@ -305,14 +413,41 @@ class Engine:
             live = self._live.get(r.uid)
             if live is None:
                 continue
-            if self._on_token(live, r):
+            try:
+                done = self._on_token(live, r)
+            except Exception as e:  # noqa: BLE001 - detokenizing this request failed
+                self._fail(live, e)
+                continue
+            if done:
                 if r.finish_reason is not None:
-                    self._finish(r.uid, r.finish_reason, r.prompt_cache, r.all_tokens)
+                    self._finish(r.uid, FinishReason(r.finish_reason), r.prompt_cache, r.all_tokens)
                 else:
                     stopped.append(r.uid)
         if stopped:  # stop strings: take them out of the batch, keep their caches
             for uid, (cache, tokens) in self._bg.remove(stopped, return_prompt_caches=True).items():
-                self._finish(uid, "stop", cache, tokens)
+                self._finish(uid, FinishReason.STOP, cache, tokens)
+        self._fail_sampling_errors()
+
+    def _fail_sampling_errors(self) -> None:
+        """Fail the requests whose sampler raised during the step (see sampling.Guarded)."""
+        failed = {id(v.sampler): v.sampler for v in self._live.values() if v.sampler.error}
+        if not failed:
+            return
+        for live in [v for v in self._live.values() if id(v.sampler) in failed]:
+            self._fail(live, live.sampler.error)
+        for sampler in failed.values():
+            sampler.take_error()
+
+    def _fail(self, live: _Live, error: Exception) -> None:
+        """End one request with an error; the batch and the engine go on."""
+        log.error(
+            "request %d failed: %s: %s", live.request.id, type(error).__name__, error,
+            exc_info=error,
+        )  # fmt: skip
+        if live.uid is not None and self._live.pop(live.uid, None) is not None:
+            self._bg.remove([live.uid])
+        live.sink(ErrorEvent(f"this request failed: {type(error).__name__}: {error}", 500))
+        self.metrics.count_request(Outcome.ERROR)
 
     def _snapshot_prompts(self, prompt_responses: list) -> None:
         """Cache each prompt as soon as it is processed (all but its last token).
@@ -332,7 +467,7 @@ class Engine:
     def _on_token(self, live: _Live, r: Any) -> bool:
         """Emit one token's event; True when the sequence is done."""
         live.completion_tokens += 1
-        eos = r.finish_reason == "stop"  # the only stop sequences given are EOS ids
+        eos = r.finish_reason == FinishReason.STOP  # the only stop sequences given are EOS ids
         final = r.finish_reason is not None
         if not eos:
             live.detokenizer.add_token(r.token)
@@ -348,28 +483,26 @@ class Engine:
         live.stop_hit = live.stop_hit or hit
         return final or hit
 
-    def _finish(self, uid: int, reason: str, cache: list | None, tokens: list[int] | None) -> None:
+    def _finish(
+        self, uid: int, reason: FinishReason, cache: list | None, tokens: list[int] | None
+    ) -> None:
         live = self._live.pop(uid)
         if live.stop_hit:
-            reason = "stop"
+            reason = FinishReason.STOP
         if cache is not None and tokens:
             self.prompt_cache.insert(list(tokens), cache, self._cache_budget())
         usage = Usage(len(live.request.prompt), live.completion_tokens, live.cached)
         live.sink(FinishEvent(reason, usage))
-        self.metrics.count_request("ok")
+        self.metrics.count_request(Outcome.OK)
         log.info(
             "request %d: %d prompt tokens (%d cached), %d generated, %s, %.2fs",
             live.request.id, usage.prompt_tokens, usage.cached_tokens,
-            usage.completion_tokens, reason, time.monotonic() - live.started,
+            usage.completion_tokens, reason.value, time.monotonic() - live.started,
         )  # fmt: skip
 
     # ------------------------------------------------------- memory and metrics
     def _batch_caches(self) -> list:
-        """The batch's per-layer caches (mlx-lm keeps no public accessor)."""
-        bg = self._bg
-        if bg is None:
-            return []
-        return list(bg._prompt_batch.prompt_cache) + list(bg._generation_batch.prompt_cache)
+        return [] if self._bg is None else batch_caches(self._bg)
 
     def _cache_budget(self) -> int | None:
         """Prompt-cache byte cap left once live sequences are counted (mlx-lm's rule)."""
@@ -383,7 +516,7 @@ class Engine:
             self.prompt_cache.trim_to(budget)
 
     def _publish(self) -> None:
-        report = self.cache_report(self._batch_caches()) if self._live else []
+        report = cache_report(self._batch_caches()) if self._live else []
         by_kind: dict[str, int] = {}
         kv = quantized = 0
         for slot in report:
@@ -403,15 +536,10 @@ class Engine:
         )
 
     # ------------------------------------------------------------ warm-up
-    def _warmup(self) -> bool:
-        """Run the readiness warm-up; False if the engine must not serve."""
-        gate = self.options.warmup_gate
-        while gate and not os.path.exists(gate):
-            if self._stopping.wait(0.05):
-                self._shutdown("server is shutting down")
-                return False
+    def _warmup(self) -> WarmupVerdict:
+        """Run the readiness warm-up through the real batch path; this rank's verdict."""
         t0 = time.monotonic()
-        spec = warmup_spec(getattr(self.plan, "max_window", None), self.kv_config, self.max_context)
+        spec = warmup_spec(self.plan.max_window, self.kv_config, self.max_context)
         filler = list(self.tokenizer.encode(WARMUP_TEXT)) or [0]
         prompts = [(filler * (n // len(filler) + 1))[:n] for n in spec.prompt_lengths]
         uids = self._bg.insert(
@@ -427,36 +555,28 @@ class Engine:
             _, responses = self._bg.next()
             caches = self._batch_caches()
             if caches:
-                batch_report = self.cache_report(caches)
+                batch_report = cache_report(caches)
             for r in responses:
+                self._samplers.vocab = r.logprobs.shape[-1]
                 if r.finish_reason is not None:
                     finished[r.uid] = (r.prompt_cache, len(r.all_tokens))
         longest_cache, longest = max(finished.values(), key=lambda x: x[1])
         try:
             report = verify_warmup(
                 self.kv_config,
-                _kv_slots(self.plan),
+                len(self.plan.kv_layers),
                 batch_report,
-                self.cache_report(longest_cache),
+                cache_report(longest_cache),
                 longest,
                 spec,
             )
         except WarmupFailed as e:
             log.error("%s", e)
-            self._shutdown(str(e))
-            return False
+            return WarmupVerdict(False, error=str(e))
         del finished, longest_cache
         mx.clear_cache()
         report["seconds"] = round(time.monotonic() - t0, 3)
         kv = [s for s in batch_report if s["kind"] in KV_KINDS]
         self._kv_fraction = (sum(bool(s["quantized"]) for s in kv), len(kv))
-        self.readiness.set_ready(report)
-        self._publish()
         log.info("warm-up done in %.2fs: %s", report["seconds"], report["batch"])
-        return True
-
-
-def _kv_slots(plan: Any) -> int | None:
-    """How many KV cache slots the plan has (None if it does not say)."""
-    layers = getattr(plan, "kv_layers", None)
-    return None if layers is None else len(layers)
+        return WarmupVerdict(True, report=report)

@@ -13,6 +13,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .prompt_cache import PromptCacheStats
+from .requests import Outcome
 
 RATE_WINDOW_S = 10.0  # tokens-per-second gauges average over this many seconds
 
@@ -67,10 +68,10 @@ class EngineMetrics:
     # (time, prompt tokens, prompt seconds, generated tokens, decode seconds)
     _recent: deque = field(default_factory=deque)
 
-    def count_request(self, status: str) -> None:
-        """Count one finished request by status (ok, cancelled, error, rejected)."""
+    def count_request(self, outcome: Outcome) -> None:
+        """Count one finished request by how it ended."""
         with self._lock:
-            self.requests[status] += 1
+            self.requests[outcome.value] += 1
 
     def record_step(
         self, prompt_tokens: int, prompt_time: float, gen_tokens: int, decode_time: float

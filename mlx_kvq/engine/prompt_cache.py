@@ -165,11 +165,6 @@ class PromptCache:
         with self._lock:
             self._evict(self._cap(budget))
 
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._nbytes = 0
-
     def _cap(self, budget: int | None) -> int | None:
         caps = [c for c in (self.max_bytes, budget) if c is not None]
         return max(0, min(caps)) if caps else None

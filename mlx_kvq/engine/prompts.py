@@ -28,8 +28,15 @@ def chat_tokens(
         )
         if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
             ids = ids["input_ids"]
-        return list(ids)
-    return list(tokenizer.encode(convert_chat(messages)))
+        return token_ids(ids)
+    return token_ids(tokenizer.encode(convert_chat(messages)))
+
+
+def token_ids(ids: Any) -> list[int]:
+    """`ids` as a list of Python ints, or TypeError (a template that rendered something else)."""
+    if isinstance(ids, str) or not all(isinstance(t, int) for t in ids):
+        raise TypeError(f"the chat template rendered {type(ids).__name__}, not token ids")
+    return list(ids)
 
 
 def completion_tokens(tokenizer: Any, prompt: str | list[int]) -> list[int]:

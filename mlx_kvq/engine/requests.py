@@ -1,7 +1,8 @@
 """What flows into and out of the engine: requests, sampling settings, events.
 
 Plain data, no MLX and no HTTP, so the server can build requests and read
-events without knowing how the engine schedules them.
+events without knowing how the engine schedules them. Everything crossing a
+thread boundary is a small frozen dataclass; states and reasons are enums.
 """
 
 from __future__ import annotations
@@ -9,8 +10,26 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 _ids = itertools.count(1)
+
+
+class FinishReason(str, Enum):
+    """Why a sequence ended (OpenAI's `finish_reason` values)."""
+
+    STOP = "stop"  # the model's end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens, or the end of the context
+
+
+class Outcome(str, Enum):
+    """How a request ended, as counted in `/metrics` (`mlx_kvq_requests_total`)."""
+
+    OK = "ok"
+    CANCELLED = "cancelled"  # the client went away
+    ERROR = "error"  # the request failed inside the engine
+    REJECTED = "rejected"  # refused before generation (a 4xx)
+    UNAUTHORIZED = "unauthorized"  # no or a wrong API key
 
 
 @dataclass(frozen=True)
@@ -28,13 +47,16 @@ class SamplingParams:
     top_logprobs: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationRequest:
     """One sequence to generate: prompt token ids plus sampling settings."""
 
-    prompt: list[int]
+    prompt: tuple[int, ...]
     params: SamplingParams
     id: int = field(default_factory=lambda: next(_ids))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt", tuple(self.prompt))
 
 
 @dataclass(frozen=True)
@@ -66,9 +88,9 @@ class Usage:
 
 @dataclass(frozen=True)
 class FinishEvent:
-    """The sequence ended: `reason` is "stop" (EOS or stop string) or "length"."""
+    """The sequence ended."""
 
-    reason: str
+    reason: FinishReason
     usage: Usage
 
 
@@ -83,3 +105,27 @@ class ErrorEvent:
 
 Event = TokenEvent | FinishEvent | ErrorEvent
 EventSink = Callable[[Event], None]
+
+
+# -- the engine's inbox: what other threads ask of the engine thread ----------------
+@dataclass(frozen=True)
+class Submit:
+    """Generate `request`; its events go to `sink` (called on the engine thread)."""
+
+    request: GenerationRequest
+    sink: EventSink
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Drop a request whose client went away."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop the engine: requests still running get an error."""
+
+
+Message = Submit | Cancel | Stop

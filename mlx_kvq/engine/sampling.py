@@ -4,6 +4,11 @@ Unseeded requests with the same settings share one sampler object, so
 mlx-lm's `GenerationBatch` samples them in one batched call. A seeded request
 gets its own random key chain: its draws do not depend on which other
 requests share the batch, so seeding never has to turn batching off.
+
+Every sampler is handed out inside a `Guarded` wrapper: a sampler that
+raises must fail its own requests, not the batch step that all requests
+share (principle 7), so the wrapper records the error, returns greedy tokens
+to keep the step going, and the engine fails the requests using it.
 """
 
 from __future__ import annotations
@@ -24,28 +29,56 @@ from .requests import SamplingParams
 Sampler = Callable[[mx.array], mx.array]
 
 
+class Guarded:
+    """A sampler whose failure is recorded instead of raised (see the module docstring)."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self.error: Exception | None = None
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        try:
+            return self.sampler(logprobs)
+        except Exception as e:  # noqa: BLE001 - the engine fails this sampler's requests
+            self.error = self.error or e
+            return mx.argmax(logprobs, axis=-1)
+
+    def take_error(self) -> Exception | None:
+        """The recorded failure, cleared."""
+        error, self.error = self.error, None
+        return error
+
+
 class SamplerPool:
-    """Hands out samplers, sharing one object per unseeded setting."""
+    """Hands out guarded samplers, sharing one object per unseeded setting.
 
-    def __init__(self) -> None:
-        self._shared: dict[tuple, Sampler] = {}
+    `vocab` is the width of the model's logits once known: a `top_k` at or
+    above it keeps every token, so it is treated as off (mlx-lm's top-k
+    raises instead).
+    """
 
-    def get(self, p: SamplingParams) -> Sampler:
+    def __init__(self, vocab: int | None = None) -> None:
+        self.vocab = vocab
+        self._greedy = Guarded(greedy_sampler)
+        self._shared: dict[tuple, Guarded] = {}
+
+    def get(self, p: SamplingParams) -> Guarded:
         if p.temperature == 0:
-            return greedy_sampler
+            return self._greedy
+        top_k = 0 if self.vocab is not None and p.top_k >= self.vocab else p.top_k
         if p.seed is not None:
-            return seeded_sampler(p)
-        key = (p.temperature, p.top_p, p.top_k, p.min_p)
+            return Guarded(seeded_sampler(p, top_k))
+        key = (p.temperature, p.top_p, top_k, p.min_p)
         if key not in self._shared:
             if len(self._shared) > 64:
                 self._shared.clear()
-            self._shared[key] = make_sampler(
-                temp=p.temperature, top_p=p.top_p, min_p=p.min_p, top_k=p.top_k
+            self._shared[key] = Guarded(
+                make_sampler(temp=p.temperature, top_p=p.top_p, min_p=p.min_p, top_k=top_k)
             )
         return self._shared[key]
 
 
-def seeded_sampler(p: SamplingParams) -> Sampler:
+def seeded_sampler(p: SamplingParams, top_k: int) -> Sampler:
     """A sampler drawing from its own key chain, started at `p.seed`."""
     state = [mx.random.key(p.seed)]
 
@@ -54,8 +87,8 @@ def seeded_sampler(p: SamplingParams) -> Sampler:
             logprobs = apply_top_p(logprobs, p.top_p)
         if p.min_p > 0:
             logprobs = apply_min_p(logprobs, p.min_p)
-        if p.top_k > 0:
-            logprobs = apply_top_k(logprobs, p.top_k)
+        if top_k > 0:
+            logprobs = apply_top_k(logprobs, top_k)
         state[0], sub = mx.random.split(state[0])
         return mx.random.categorical(logprobs * (1.0 / p.temperature), key=sub)
 

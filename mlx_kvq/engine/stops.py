@@ -30,11 +30,6 @@ class StopMatcher:
             buf = buf[:-keep]
         return buf, False
 
-    def flush(self) -> str:
-        """Text held back when the sequence ends for another reason."""
-        held, self._held = self._held, ""
-        return held
-
     def _partial_tail(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that starts some stop string."""
         longest = 0

@@ -11,9 +11,12 @@ kind of the model ended up quantized. The report it leaves is what
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
+from mlx_kvq.caches import cache_report
 from mlx_kvq.config import KVConfig, UnsupportedKVConfig
 from mlx_kvq.plan import KV_KINDS
 
@@ -26,9 +29,18 @@ class WarmupFailed(RuntimeError):
     """The warm-up ran but did not show the configured KV layout."""
 
 
+class Status(str, Enum):
+    """Where the engine is in its life, as `/health` reports it."""
+
+    WARMING_UP = "warming_up"
+    READY = "ready"
+    DRAINING = "shutting_down"  # finishing what it has, refusing new requests
+    FAILED = "failed"
+
+
 @dataclass(frozen=True)
 class ReadinessState:
-    status: str  # "warming_up", "ready" or "failed"
+    status: Status
     reason: str | None = None
     report: dict[str, Any] | None = None
 
@@ -38,7 +50,7 @@ class Readiness:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._state = ReadinessState("warming_up")
+        self._state = ReadinessState(Status.WARMING_UP)
         self.ready_event = threading.Event()
 
     def get(self) -> ReadinessState:
@@ -47,16 +59,22 @@ class Readiness:
 
     @property
     def ready(self) -> bool:
-        return self.get().status == "ready"
+        return self.get().status is Status.READY
 
     def set_ready(self, report: dict[str, Any]) -> None:
         with self._lock:
-            self._state = ReadinessState("ready", None, report)
+            self._state = ReadinessState(Status.READY, None, report)
         self.ready_event.set()
+
+    def set_draining(self, reason: str) -> None:
+        """Shutting down: requests already in flight finish, new ones are refused."""
+        with self._lock:
+            if self._state.status is not Status.FAILED:
+                self._state = ReadinessState(Status.DRAINING, reason, self._state.report)
 
     def set_failed(self, reason: str) -> None:
         with self._lock:
-            self._state = ReadinessState("failed", reason, self._state.report)
+            self._state = ReadinessState(Status.FAILED, reason, self._state.report)
         self.ready_event.set()
 
 
@@ -131,10 +149,16 @@ def verify_warmup(
     }
 
 
-def check_batch_path(make_cache, report_fn, kv: KVConfig) -> None:
+def check_batch_path(
+    make_cache: Callable[[], list],
+    kv: KVConfig,
+    report: Callable[[list], list[dict]] = cache_report,
+    max_batch: int | None = None,
+) -> None:
     """Refuse, before serving, a plan whose caches cannot honour the settings in a batch.
 
-    Every cache must have a batch form (`merge`), and when
+    Every cache must have a batch form (`merge`, of `max_batch` caches when
+    the plan limits the batch: a model that runs one sequence at a time), and when
     `--quantized-kv-start` is above 0 the batch form of every KV cache must
     carry that start (it converts to quantized storage itself). A setting
     that would be ignored in the batch path is an error, never a silent
@@ -142,14 +166,14 @@ def check_batch_path(make_cache, report_fn, kv: KVConfig) -> None:
     """
     a, b = make_cache(), make_cache()
     for i, (ca, cb) in enumerate(zip(a, b, strict=True)):
-        kinds = [slot["kind"] for slot in report_fn([ca])]
+        kinds = [slot["kind"] for slot in report([ca])]
         what = f"cache slot {i} ({'/'.join(kinds)}, {type(ca).__name__})"
         merge = getattr(type(ca), "merge", None)
         if merge is None:
             raise UnsupportedKVConfig(
                 f"{what} has no batch form, so it cannot be served with continuous batching"
             )
-        batch = merge([ca, cb])
+        batch = merge([ca, cb][: max_batch or 2])
         if kv.quantized_start <= 0:
             continue
         members = getattr(batch, "caches", None) or [batch]

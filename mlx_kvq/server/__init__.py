@@ -1,1 +1,1 @@
-"""HTTP layer of `mlx-kvq serve`: FastAPI app, OpenAI schemas and errors, startup."""
+"""HTTP only: the FastAPI app of `mlx-kvq serve`, its routes, schemas and errors."""

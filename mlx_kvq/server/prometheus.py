@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from mlx_kvq.engine import Engine
+from mlx_kvq.engine import Engine, Outcome, RankView
 
 P = "mlx_kvq_"
-REQUEST_STATUSES = ("ok", "cancelled", "error", "rejected")
+REQUEST_STATUSES = tuple(o.value for o in Outcome)
 
 
 class EngineCollector(Collector):
@@ -95,9 +95,31 @@ class EngineCollector(Collector):
         yield _gauge(
             "mlx_peak_memory_bytes", "MLX peak memory of this process", mx.get_peak_memory()
         )
-        extra = getattr(self.engine, "extra_metrics", None)  # per-rank families (distributed)
-        if extra is not None:
-            yield from extra()
+        yield from _rank_families(self.engine.coordinator.ranks())
+
+
+def _rank_families(ranks: list[RankView]):
+    """Per-rank families of an `mlx.launch` group (none for a single process)."""
+    if not ranks:
+        return
+    count = GaugeMetricFamily(P + "distributed_ranks", "Ranks in the mlx.distributed group")
+    count.add_metric([], float(len(ranks)))
+    yield count
+    families = {
+        "up": ("rank_up", "1 while the rank answers heartbeats"),
+        "kv_bytes": ("rank_kv_bytes", "KV cache bytes held by live sequences on each rank"),
+        "prompt_cache_bytes": (
+            "rank_prompt_cache_bytes",
+            "KV bytes held by the prompt cache on each rank",
+        ),
+        "bytes_per_token": ("rank_kv_bytes_per_token", "Planned KV bytes per token on each rank"),
+        "warmup_kv_bytes": ("rank_warmup_kv_bytes", "KV bytes of the warm-up batch on each rank"),
+    }
+    for field, (name, doc) in families.items():
+        family = GaugeMetricFamily(P + name, doc, labels=["rank"])
+        for view in ranks:
+            family.add_metric([str(view.rank)], float(getattr(view, field)))
+        yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

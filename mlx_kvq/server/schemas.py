@@ -12,13 +12,38 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mlx_kvq.engine.requests import TokenEvent, Usage
 
 MAX_STOP_STRINGS = 16
+INT64_MAX = 2**63 - 1
+UNSEEDED = -1  # `seed: -1` means "no seed", as llama.cpp and many clients use it
 
-PositiveInt = Annotated[int, Field(ge=1)]
+PositiveInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
+# Any 64-bit seed a client sends: signed (as OpenAI documents it) or unsigned.
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+
+# chat_template_kwargs keys that would change what rendering returns (a
+# tensor, a dict, text instead of token ids) or the roles of the arguments the
+# server passes itself: refused with a 400 instead of reaching the template.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "add_generation_prompt", "continue_final_message", "conversation", "documents",
+        "max_length", "padding", "return_assistant_tokens_mask", "return_dict",
+        "return_tensors", "tokenize", "tokenizer_kwargs", "tools", "truncation",
+    }
+)  # fmt: skip
+
+
+def check_template_kwargs(kwargs: dict[str, Any], where: str) -> None:
+    """Raise ValueError naming the first reserved key of `kwargs`."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise ValueError(
+            f"{where} may not set {reserved[0]!r}: the server renders the prompt to "
+            "token ids itself (reserved: " + ", ".join(sorted(RESERVED_TEMPLATE_KWARGS)) + ")"
+        )
 
 
 class StreamOptions(BaseModel):
@@ -34,9 +59,9 @@ class _Request(BaseModel):
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -49,11 +74,26 @@ class _Request(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         return tuple(s for s in stops if s)
 
+    @property
+    def sampling_seed(self) -> int | None:
+        """The seed as the sampler takes it: -1 is unseeded, other negative
+        seeds are read as the unsigned 64-bit number with the same bits."""
+        if self.seed is None or self.seed == UNSEEDED:
+            return None
+        return self.seed % 2**64
+
     @model_validator(mode="after")
     def _check_stop(self):
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
         return self
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, value: StreamOptions | None, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
+        return value
 
 
 class TextPart(BaseModel):
@@ -90,6 +130,12 @@ class ChatCompletionRequest(_Request):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value: dict[str, Any] | None):
+        check_template_kwargs(value or {}, "chat_template_kwargs")
+        return value
 
 
 class CompletionRequest(_Request):

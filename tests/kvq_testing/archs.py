@@ -1105,7 +1105,7 @@ _add(
             num_experts_per_tok=2,
             partial_rotary_factor=0.5,
             moe_layer_freq=[0, 1],
-            layer_types=["sparse_attention", "full_attention"],
+            layer_types=["minimax_m3_sparse", "full_attention"],  # transformers validates names
             index_n_heads=2,
             index_head_dim=64,
             index_block_size=4,
@@ -1557,11 +1557,12 @@ _POST_INIT: dict[str, Any] = {
 }
 
 
-def build_model(name: str, dtype: mx.Dtype = mx.float32) -> nn.Module:
-    """Build the tiny random-weight model ``name`` (a key of :data:`TINY_CONFIGS`)."""
+def build_model(name: str, dtype: mx.Dtype = mx.float32, seed: int = 0) -> nn.Module:
+    """Build the tiny random-weight model ``name`` (a key of :data:`TINY_CONFIGS`),
+    weights drawn with ``seed``."""
     cfg = get_config(name)
     module = importlib.import_module(f"mlx_lm.models.{module_name(name)}")
-    mx.random.seed(0)
+    mx.random.seed(seed)
     args = module.ModelArgs.from_dict(cfg)
     model = module.Model(args)
     _post_init(name, model)

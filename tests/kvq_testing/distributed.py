@@ -244,41 +244,51 @@ _TINY: dict[str, Path] = {}
 _TINY_ROOT: tempfile.TemporaryDirectory | None = None
 
 
-def tiny_model(model_type: str) -> Path:
-    """A tiny float32 model directory for `model_type` (kv heads 2, head_dim 64),
-    written once per process and shared by every test that asks."""
+def tiny_model(model_type: str, **overrides: Any) -> Path:
+    """A tiny float32 model directory for `model_type` (kv heads 2, head_dim 64,
+    unless `overrides` say otherwise), written once per process and shared by
+    every test that asks."""
     global _TINY_ROOT
-    if model_type not in _TINY:
+    name = model_type + "".join(f"-{k}={v}" for k, v in sorted(overrides.items()))
+    if name not in _TINY:
         from kvq_testing.tiny import save_tiny_model
 
         if _TINY_ROOT is None:
             _TINY_ROOT = tempfile.TemporaryDirectory(prefix="mlx-kvq-dist-models-")
-        _TINY[model_type] = save_tiny_model(Path(_TINY_ROOT.name) / model_type, model_type)
-    return _TINY[model_type]
+        _TINY[name] = save_tiny_model(Path(_TINY_ROOT.name) / name, model_type, **overrides)
+    return _TINY[name]
 
 
 # -- several CLI runs in one group -------------------------------------------
 FAIL_PLAN = "@fail-plan-on-rank="  # first word of a run: make planning fail on that rank
+# First word of a run refused on every rank before any collective (settings
+# checked from config.json): the group stays usable, so later runs still go.
+REFUSED_EARLY = "@refused-before-loading"
 
 
 def _fail_plan_on(rank: int):
-    """Make `plan_kv` refuse on `rank` only (a rank that cannot honour the plan)."""
+    """Make the group's KV plan (`plan_on_every_rank`, after loading) refuse
+    on `rank` only (a rank that cannot honour the plan)."""
     from mlx_kvq.config import UnsupportedKVConfig
     from mlx_kvq.distributed import planning, world
+    from mlx_kvq.plan import plan_kv
 
-    original = planning.plan_kv
+    original = planning.plan_on_every_rank
 
     def refuse(*a, **kw):
         if world().rank() == rank:
             raise UnsupportedKVConfig(f"injected for the test: rank {rank} cannot hold its caches")
-        return original(*a, **kw)
+        return plan_kv(*a, **kw)
 
-    planning.plan_kv = refuse
-    return lambda: setattr(planning, "plan_kv", original)
+    def plan_on_every_rank(*a, **kw):
+        return original(*a, **kw, planner=refuse)
+
+    planning.plan_on_every_rank = plan_on_every_rank
+    return lambda: setattr(planning, "plan_on_every_rank", original)
 
 
 def main(argv: list[str]) -> int:
-    from mlx_kvq.cli import main as cli_main
+    from mlx_kvq.commands import main as cli_main
     from mlx_kvq.distributed import world
 
     runs, current = [], []
@@ -292,6 +302,9 @@ def main(argv: list[str]) -> int:
     worst = 0
     for i, run in enumerate(runs):
         restore = None
+        early = bool(run) and run[0] == REFUSED_EARLY
+        if early:
+            run = run[1:]
         if run and run[0].startswith(FAIL_PLAN):  # this run: planning fails on one rank
             restore = _fail_plan_on(int(run.pop(0).split("=", 1)[1]))
         try:
@@ -304,6 +317,8 @@ def main(argv: list[str]) -> int:
         sys.stdout.flush()
         if world().rank() == 0:
             print(f"{RUN_MARK} {i} exit {rc}", flush=True)
+        if early and rc == 2:  # refused as expected, before any collective
+            continue
         worst = max(worst, rc)
         if rc:  # the group is not usable after a failed run
             break

@@ -19,7 +19,8 @@ import mlx.core as mx
 
 from mlx_kvq.caches import KVQCache, cache_report
 from mlx_kvq.config import KVConfig, UnsupportedKVConfig
-from mlx_kvq.plan import plan_kv
+from mlx_kvq.distributed.loading import KV_HEADS, model_module, sharding_support
+from mlx_kvq.plan import KV_KINDS, plan_kv
 
 from . import archs
 
@@ -37,6 +38,9 @@ class SweepResult:
     reason: str = ""
     checks: dict = field(default_factory=dict)
     seconds: float = 0.0
+    module: str = ""
+    tensor: bool = False  # mlx-lm can shard it by heads (shard())
+    pipeline: bool = False  # mlx-lm can split it by layers (model.pipeline())
 
 
 def _leaves(cache: list) -> list:
@@ -47,20 +51,26 @@ def _leaves(cache: list) -> list:
 
 
 def _held_slots(c) -> int:
-    return c.keys.length if c.keys is not None else 0
+    return c.key_store.length if c.key_store is not None else 0
 
 
 def sweep_one(name: str, bits: int = 4) -> SweepResult:
     """Plan, run and check one architecture."""
     t0 = time.perf_counter()
     model = archs.build_model(name)
+    tensor, pipeline = sharding_support(model)
+    where = {"module": model_module(model), "tensor": tensor, "pipeline": pipeline}
     try:
         plan = plan_kv(model, KVConfig(bits=bits))
     except UnsupportedKVConfig as e:
-        return SweepResult(name, REFUSED, reason=str(e), seconds=time.perf_counter() - t0)
+        return SweepResult(name, REFUSED, reason=str(e), seconds=time.perf_counter() - t0, **where)
     kinds = ", ".join(sorted(plan.kinds))
     hand_out = ",".join(sorted({p.hand_out for p in plan.kv_layers})) or "-"
-    result = SweepResult(name, SUPPORTED, kinds, hand_out)
+    result = SweepResult(name, SUPPORTED, kinds, hand_out, **where)
+    if plan.max_batch is not None:
+        result.reason = (
+            f"serves {plan.max_batch} sequence at a time (its positions are one per batch)"
+        )
     try:
         cache = plan.make_cache()
         logits = archs.run_forward(model, cache=cache, return_logits=True)[1]
@@ -68,7 +78,7 @@ def sweep_one(name: str, bits: int = 4) -> SweepResult:
         if not archs.logits_finite(model, logits):
             raise AssertionError("non-finite logits")
         report = cache_report(cache)
-        kv_reports = [r for r in report if r["kind"] in ("full", "sliding", "chunked")]
+        kv_reports = [r for r in report if r["kind"] in KV_KINDS]
         leaves = [c for c in _leaves(cache) if isinstance(c, KVQCache)]
         layer_plans = plan.kv_layers
         checks = {
@@ -85,11 +95,11 @@ def sweep_one(name: str, bits: int = 4) -> SweepResult:
             if bound is not None and c.size() > bound:
                 raise AssertionError(f"slot {p.slot} holds {c.size()} tokens, window {p.window}")
             slots = _held_slots(c)
-            if slots and p.bytes_per_token() > 0:
+            if slots and p.bytes_per_row() > 0:
                 per_slot = c.nbytes / slots
                 if c.nbytes == 0:
                     continue
-                worst = max(worst, abs(per_slot / p.bytes_per_token() - 1))
+                worst = max(worst, abs(per_slot / p.bytes_per_row() - 1))
         checks["bytes_per_token_error"] = round(worst, 4)
         if worst > 0.05:
             raise AssertionError(f"plan bytes/token off by {worst:.1%} from bytes held")
@@ -104,6 +114,7 @@ def sweep_one(name: str, bits: int = 4) -> SweepResult:
 def markdown(results: list[SweepResult], skipped: dict[str, str]) -> str:
     """docs/architectures.md."""
     n_ok = sum(r.verdict == SUPPORTED for r in results)
+    refused = len(results) - n_ok
     lines = [
         "# Architectures",
         "",
@@ -112,11 +123,22 @@ def markdown(results: list[SweepResult], skipped: dict[str, str]) -> str:
         "a key/value cache is built tiny with random weights (`tests/kvq_testing/archs.py`),",
         "planned with `--kv-bits 4`, and run through a 40-token prefill in two chunks (sliding",
         "windows of 8 wrap) and 5 decode steps with the planned caches. A row passes when",
-        "every KV layer is quantized, every sliding layer stays within its window, and the",
-        "plan's bytes per token match the bytes held per token slot within 5%.",
+        "every KV leaf is quantized (the sparse-attention indexers' keys included), every",
+        "sliding layer stays within its window, and the plan's bytes per stored row match the",
+        "bytes held per row slot within 5%.",
         "",
-        f"**{n_ok} of {len(results)} configurations supported**; the rest are refused by the",
-        "plan at load time (`UnsupportedKVConfig`), never later.",
+        f"**{n_ok} of {len(results)} configurations supported**"
+        + (
+            "; the rest are refused by the plan at load time (`UnsupportedKVConfig`), never later."
+            if refused
+            else "."
+        ),
+        "",
+        "Layer kinds: `full`, `sliding` (a window), `chunked` (llama4), `indexer` (a sparse",
+        "attention indexer's keys: deepseek_v32, glm_moe_dsa, minimax_m3_vl, deepseek_v41;",
+        "keys only), `compressed` (deepseek_v41: one pooled row per `ratio` tokens), `state`",
+        "(recurrent or working state, not KV: reported, never quantized), `shared` (layers that",
+        "reuse an earlier layer's K/V).",
         "",
         "K/V hand-out: `packed` layers give quantized attention the packed tensors;",
         "`dequantized` layers (model code that needs arrays: latent attention, sparse",
@@ -131,6 +153,7 @@ def markdown(results: list[SweepResult], skipped: dict[str, str]) -> str:
         lines.append(
             f"| {r.name} | {r.kinds or '-'} | {r.hand_out or '-'} | {r.verdict} | {note} |"
         )
+    lines += _distributed(results)
     lines += [
         "",
         "## Modules without a KV cache or not runnable here",
@@ -140,3 +163,54 @@ def markdown(results: list[SweepResult], skipped: dict[str, str]) -> str:
     ]
     lines += [f"| {k} | {v} |" for k, v in sorted(skipped.items())]
     return "\n".join(lines) + "\n"
+
+
+def _distributed(results: list[SweepResult]) -> list[str]:
+    """The distributed section: which sharding each architecture module has."""
+    lines = [
+        "",
+        "## Distributed (under `mlx.launch`)",
+        "",
+        "What mlx-lm 0.32.2 can shard, per module, and what mlx-kvq adds (docs/distributed.md).",
+        "Checked on every rank from config.json before any weight is read",
+        "(`mlx_kvq/distributed/planning.py:check_sharding`); what cannot run exits 2 with the",
+        "reason and the alternatives, never later.",
+        "",
+        "- **tensor parallel** (default): every rank holds every layer and `1/N` of the heads,",
+        "  so `1/N` of each layer's KV heads. With fewer KV heads than ranks (or a count `N`",
+        "  does not divide), the modules marked *replicated* get each KV head repeated before",
+        "  mlx-lm's `shard()` so every rank holds whole heads (as vLLM does; each rank then",
+        "  holds the KV bytes of its copies); other modules run when their own `shard()` keeps",
+        "  every KV head on each rank (latent-attention caches, deepseek_v41's rows), and are",
+        "  refused before loading otherwise.",
+        "- **pipeline parallel** (`--pipeline`): rank `r` holds a run of whole layers and their",
+        "  caches; needs mlx-lm's `pipeline()` and at least one layer per rank.",
+        "  deepseek_v41 with `--kv-bits` is refused (its stages pass compressed KV through",
+        "  the first layer's cache).",
+        "",
+        "| module | tensor parallel | fewer KV heads than ranks | pipeline parallel |",
+        "|---|---|---|---|",
+    ]
+    seen: dict[str, SweepResult] = {}
+    for r in results:
+        seen.setdefault(r.module, r)
+    neither = sorted(m for m, r in seen.items() if m and not (r.tensor or r.pipeline))
+    for module, r in sorted(seen.items()):
+        if not r.module or module in neither:
+            continue
+        if not r.tensor:
+            heads = "-"
+        elif module in KV_HEADS:
+            heads = "replicated"
+        else:
+            heads = "if its shard() keeps them whole, else refused"
+        lines.append(
+            f"| {module} | {'yes' if r.tensor else 'no'} | {heads} | "
+            f"{'yes' if r.pipeline else 'no'} |"
+        )
+    lines += [
+        "",
+        f"Neither mode in mlx-lm ({len(neither)} modules; `mlx.launch` refuses them before",
+        f"loading, they run on one machine): {', '.join(neither)}.",
+    ]
+    return lines

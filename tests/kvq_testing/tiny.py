@@ -117,7 +117,9 @@ def save_tiny_model(path: str | Path, model_type: str, **config_overrides: Any) 
     case `config_overrides` must supply the rest of its configuration.
     Weights are seeded, so the same call writes the same model.
     """
-    from mlx_lm.utils import _get_classes, save_config, save_model
+    from mlx_lm.utils import save_config, save_model
+
+    from mlx_kvq.mlx_lm_internals import model_classes
 
     path = Path(path)
     vocab = write_tokenizer(path)
@@ -126,7 +128,7 @@ def save_tiny_model(path: str | Path, model_type: str, **config_overrides: Any) 
     eos_id = json.loads(_tokenizer_json())["model"]["vocab"][EOS]
     config.setdefault("eos_token_id", eos_id)
 
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     mx.random.seed(0)
     model = model_class(args_class.from_dict(config))
     fix = getattr(archs, "_POST_INIT", {}).get(model.__module__.rsplit(".", 1)[-1])

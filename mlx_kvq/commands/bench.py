@@ -1,32 +1,12 @@
-"""`mlx-kvq bench` / `python -m mlx_kvq.bench`: arguments and the run."""
+"""`mlx-kvq bench`: attention, model, memory and serving benchmarks, quantized
+against unquantized (see `mlx_kvq/bench/`)."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib
 import json
-import os
-import platform
-import sys
-import time
 from dataclasses import replace
 from pathlib import Path
-
-from .settings import MODELS, SECTIONS, BenchSettings, quick
-
-SECTION_MODULES = {
-    "attention": "attention_bench",
-    "model": "model_bench",
-    "memory": "memory_bench",
-    "serving": "serving_bench",
-}
-SECTION_TITLES = {
-    "attention": "attention alone",
-    "model": "model",
-    "memory": "memory",
-    "serving": "serving",
-}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -37,8 +17,11 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def add_bench_args(p: argparse.ArgumentParser) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ..bench.settings import MODELS, SECTIONS, BenchSettings
+
     d = BenchSettings()
+    p = sub.add_parser("bench", help="speed and memory benchmark")
     p.add_argument(
         "--quick", action="store_true", help="tiny setting (seconds), every section: for tests"
     )
@@ -53,7 +36,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bits", type=_ints, default=None, help="quantized settings to compare (default 8,4)"
     )
-    p.add_argument("--group-size", type=int, default=None, help="default 64")
+    p.add_argument("--kv-group-size", type=int, default=None, help="group size (default 64)")
     p.add_argument(
         "--model-size",
         choices=sorted(MODELS),
@@ -88,6 +71,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--serving-repeats", type=int, default=None, help="rounds per stream count (default 3)"
     )
     p.add_argument("--prefill-chunk", type=int, default=None, help="default 128")
+    p.add_argument(
+        "--reference-blas-contexts",
+        type=_ints,
+        default=None,
+        help="model contexts also measured on MLX's linked reference BLAS, float32, "
+        "both arms, labelled (default 4096; an empty string for none)",
+    )
     p.add_argument("--memory-context", type=int, default=None, help="default 16384")
     p.add_argument(
         "--memory-dtype", default=None, help="model dtype of the memory and serving sections"
@@ -103,19 +93,24 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=None)  # fmt: skip
+    p.set_defaults(run=run)
 
 
-def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+def settings_from_args(args: argparse.Namespace):
+    """The `BenchSettings` the flags ask for (ValueError for an unknown section)."""
+    from ..bench.settings import SECTIONS, BenchSettings, quick
+
     s = quick() if args.quick else BenchSettings()
     changes = {
         "sections": args.sections, "dtypes": args.dtypes, "bits": args.bits,
-        "group_size": args.group_size, "model": args.model_size, "contexts": args.contexts,
+        "group_size": args.kv_group_size, "model": args.model_size, "contexts": args.contexts,
         "attn_contexts": args.attn_contexts, "attn_queries": args.attn_queries,
         "decode_repeats": args.repeats, "attn_repeats": args.repeats,
         "prefill_repeats": args.prefill_repeats, "prefill_chunk": args.prefill_chunk,
         "memory_context": args.memory_context, "memory_dtype": args.memory_dtype, "streams": args.streams,
         "mlx_lm_max_call_s": args.mlx_lm_max_call_s, "seed": args.seed,
         "serving_repeats": args.serving_repeats,
+        "reference_blas_contexts": args.reference_blas_contexts,
     }  # fmt: skip
     s = replace(s, **{k: v for k, v in changes.items() if v is not None})
     if args.model_config:
@@ -134,89 +129,9 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     return s
 
 
-def environment() -> dict:
-    import mlx.core as mx
-    import mlx_lm
+def run(args: argparse.Namespace) -> int:
+    from ..bench.run import run as run_bench
 
-    return {
-        "device": str(mx.default_device()),
-        "metal_available": bool(mx.metal.is_available()),
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "started": datetime.datetime.now().isoformat(timespec="seconds"),
-    }
-
-
-def run_bench(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    argv = getattr(args, "argv", None)
-    if argv is not None:  # python -m mlx_kvq.bench
-        command = "python -m mlx_kvq.bench " + " ".join(argv)
-    else:  # mlx-kvq bench
-        command = "mlx-kvq " + " ".join(sys.argv[1:])
-    return run(settings, Path(args.out), plots=not args.no_plots, command=command.strip())
-
-
-def run(
-    settings: BenchSettings, out: Path, plots: bool = True, command: str = "", log=print
-) -> int:
-    from .. import caches  # noqa: F401  (installs the attention redirect)
-    from . import report
-
-    out.mkdir(parents=True, exist_ok=True)
-    env = environment()
-    log("mlx-kvq bench configuration:")
-    log(json.dumps({"environment": env, "settings": settings.to_dict()}, indent=1, default=str))
-    if env["device"].startswith("Device(cpu") or not env["metal_available"]:
-        log("note: CPU backend. Apple-GPU (Metal) results cannot be produced on this machine.")
-    t0 = time.perf_counter()
-    result: dict = {
-        "command": command,
-        "environment": env,
-        "settings": settings.to_dict(),
-        "notes": [],
-    }
-    failed = []
-    for name in SECTIONS:
-        if name not in settings.sections:
-            continue
-        module = importlib.import_module(f"{__package__}.{SECTION_MODULES[name]}")
-        log(f"{SECTION_TITLES[name]}:")
-        try:
-            result[name] = module.run(settings, log)
-        except RuntimeError as e:  # the backend cannot run it (an MLX op, a dtype)
-            failed.append(name)
-            note = f"{name} section not run: {type(e).__name__}: {e}"
-            result["notes"].append(note)
-            log(f"  {note}")
-    result["duration_s"] = time.perf_counter() - t0
-    result["goals"] = report.goals(result)
-    if plots:
-        paths, message = report.plots(result, out)
-        result["plots"] = paths
-        if message:
-            result["notes"].append(message)
-            log(message)
-    report.write_json(result, out / "bench.json")
-    (out / "bench.md").write_text(report.markdown(result) + "\n")
-    for g in result["goals"]:
-        met = {True: "met", False: "NOT MET", None: "n/a"}[g["met"]]
-        val = "-" if g["value"] is None else f"{g['value']:.3f}"
-        log(f"goal: {g['goal']}: {val} (target {g['target']}) {met}")
-    log(f"wrote {out / 'bench.json'} and {out / 'bench.md'} in {result['duration_s']:.0f} s")
-    return 1 if failed else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlx_kvq.bench", description=__doc__)
-    add_bench_args(parser)
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return run_bench(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    command = "mlx-kvq " + " ".join(args.argv)
+    return run_bench(settings, Path(args.out), plots=not args.no_plots, command=command.strip())

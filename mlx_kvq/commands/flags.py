@@ -1,0 +1,183 @@
+"""Every flag that more than one command takes, defined once.
+
+Names and meanings follow mlx-lm (`--model`, `--kv-bits`, `--kv-group-size`,
+`--quantized-kv-start`, `--max-kv-size`, `--temp`, ...). A value that can be
+checked without the model is checked by argparse or when the settings are
+built, so a bad one exits with status 2 before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from ..config import ROTATIONS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVConfig
+from ..defaults import resolve_widths
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1000000', '512MB', '1.5GiB', ... (powers of 1000, or 1024 with 'i')."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1000000, 512MB or 2GiB)")
+    number, unit, binary = m.groups()
+    base = 1024 if binary else 1000
+    power = " kmgt".index(unit.lower() or " ")
+    return int(float(number) * base**power)
+
+
+def json_object(text: str) -> dict:
+    """A JSON object given on the command line."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _bits(text: str) -> int:
+    bits = int(text)
+    if bits != 0 and bits not in SUPPORTED_BITS:
+        raise argparse.ArgumentTypeError(
+            f"kv bits must be one of {SUPPORTED_BITS}, or 0 (unquantized)"
+        )
+    return bits
+
+
+def _group_size(text: str) -> int:
+    size = int(text)
+    if size not in SUPPORTED_GROUP_SIZES:
+        raise argparse.ArgumentTypeError(f"kv group size must be one of {SUPPORTED_GROUP_SIZES}")
+    return size
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of layers: {text!r}"
+        ) from None
+
+
+def add_model_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="model directory or repo (default: the embedded demo model)"
+    )
+
+
+def add_kv_flags(parser: argparse.ArgumentParser) -> None:
+    """The KV cache flags: mlx-lm's names, plus ours. Same meaning in every command.
+
+    With none of `--kv-bits`, `--kv-key-bits`, `--kv-value-bits`, the default
+    setting of `mlx_kvq/defaults.py` applies; 0 for any of them means
+    unquantized (`--kv-bits 0`: no quantization at all; `--kv-key-bits 0
+    --kv-value-bits 4`: keys in full precision, values at 4 bits;
+    `--kv-window-bits 0`: bounded layers in full precision).
+    """
+    g = parser.add_argument_group("KV cache")
+    g.add_argument(
+        "--kv-bits",
+        type=_bits,
+        default=None,
+        help="bits for keys and values (2,3,4,5,6,8; 0: unquantized); "
+        "default: mlx_kvq/defaults.py (4-bit keys, 3-bit values, rotation, 8-bit "
+        "bounded layers)",
+    )
+    g.add_argument(
+        "--kv-group-size",
+        type=_group_size,
+        default=64,
+        help="quantization group size (default 64)",
+    )
+    g.add_argument(
+        "--kv-key-bits",
+        type=_bits,
+        default=None,
+        help="bits for keys (overrides --kv-bits; 0: keys unquantized)",
+    )
+    g.add_argument(
+        "--kv-value-bits",
+        type=_bits,
+        default=None,
+        help="bits for values (overrides --kv-bits; 0: values unquantized)",
+    )
+    g.add_argument(
+        "--kv-rotation",
+        choices=ROTATIONS,
+        default=None,
+        help="rotate K/V with a Hadamard transform before quantizing (default: none "
+        "with explicit bits, as in mlx-lm; the default setting's without)",
+    )
+    g.add_argument(
+        "--kv-window-bits",
+        type=_bits,
+        default=None,
+        help="bits for keys and values of bounded layers (sliding window, chunked, "
+        "--max-kv-size; 0: unquantized); default: as the other layers (with no bits "
+        "flag: the default setting's, 8)",
+    )
+    g.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=0,
+        help="tokens held in full precision before quantization starts "
+        "(mlx-lm's default is 5000; ours 0)",
+    )
+    g.add_argument(
+        "--max-kv-size",
+        type=int,
+        default=None,
+        help="bound every full-attention layer to this many recent tokens",
+    )
+    g.add_argument(
+        "--allow-partial-kv",
+        action="store_true",
+        help="allow --kv-skip-layers to leave layers unquantized (reported loudly)",
+    )
+    g.add_argument("--kv-skip-layers", type=_layers, default=None,
+                   help="comma-separated cache slots to leave unquantized")  # fmt: skip
+
+
+def kv_config(args: argparse.Namespace) -> KVConfig:
+    """The KV setting the KV flags ask for (raises ValueError for a bad one)."""
+    w = resolve_widths(
+        args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation,
+        args.kv_window_bits,
+    )  # fmt: skip
+    return KVConfig.from_args(
+        kv_bits=w.bits, kv_group_size=args.kv_group_size, kv_key_bits=w.key_bits,
+        kv_value_bits=w.value_bits, kv_rotation=w.rotation,
+        quantized_kv_start=args.quantized_kv_start, max_kv_size=args.max_kv_size,
+        allow_partial_kv=args.allow_partial_kv, kv_skip_layers=args.kv_skip_layers,
+        kv_window_bits=w.window_bits,
+    )  # fmt: skip
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    """mlx-lm's sampling flags (defaults for every request of a server)."""
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus top-p")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k (0: off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="min-p (0: off)")
+    parser.add_argument("--max-tokens", "-m", type=int, default=max_tokens,
+                        help=f"maximum tokens to generate (default: {max_tokens})")  # fmt: skip
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    """Refuse sampling defaults no request could use."""
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be at least 1")
+    if args.temp < 0:
+        raise ValueError("--temp must be >= 0")
+    if not 0 < args.top_p <= 1:
+        raise ValueError("--top-p must be in (0, 1]")
+    if args.top_k < 0:
+        raise ValueError("--top-k must be >= 0")
+    if not 0 <= args.min_p <= 1:
+        raise ValueError("--min-p must be in [0, 1]")

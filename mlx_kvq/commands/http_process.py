@@ -1,0 +1,74 @@
+"""The server process around the HTTP app: start, serve, drain on a signal, exit.
+
+The engine starts (and warms up) as the port opens. The first SIGTERM or
+SIGINT drains: new requests get 503 with Retry-After, requests in flight run
+to their end for up to `--shutdown-timeout` seconds, whatever is left is
+answered with an error, then uvicorn closes its connections and the process
+exits 0 (uvicorn's own handler would re-raise the signal and die of it). A
+second SIGINT stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from ..engine import Engine
+from ..server.app import create_app
+from ..server.lifecycle import Lifecycle
+from ..server.settings import ServerSettings
+
+log = logging.getLogger("mlx_kvq.server")
+
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def serve_http(engine: Engine, settings: ServerSettings, host: str, port: int, log_level: str,
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> int:  # fmt: skip
+    """Serve `engine` until a signal; 0 after a clean shutdown, 1 if the port never opened."""
+    app = create_app(engine, settings)
+    engine.start()
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+        timeout_graceful_shutdown=5,
+    )  # fmt: skip
+    server = DrainingServer(config, engine, app.state.lifecycle, shutdown_timeout)
+    try:
+        server.run()
+    finally:
+        engine.stop()
+    return 0 if server.started else 1
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with the signal handling of the module docstring."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, lifecycle: Lifecycle,
+                 shutdown_timeout: float):  # fmt: skip
+        super().__init__(config)
+        self.engine = engine
+        self.lifecycle = lifecycle
+        self.shutdown_timeout = shutdown_timeout
+        self.drainer: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.drainer is None:
+            log.info("signal %d: draining (up to %gs)", sig, self.shutdown_timeout)
+            self.drainer = threading.Thread(target=self.drain, name="mlx-kvq-drain", daemon=True)
+            self.drainer.start()
+        elif sig == signal.SIGINT:
+            self.force_exit = True
+
+    def drain(self) -> None:
+        self.lifecycle.draining = True
+        self.engine.drain()
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.lifecycle.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.engine.stop()  # whatever is left is answered with an error
+        self.should_exit = True

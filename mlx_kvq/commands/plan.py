@@ -1,0 +1,51 @@
+"""`mlx-kvq plan`: the per-layer KV plan and a memory estimate, from config.json alone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .flags import add_kv_flags, add_model_flag, kv_config
+from .startup import model_source
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="per-layer KV plan and memory estimate from config.json")
+    add_model_flag(p)
+    add_kv_flags(p)
+    p.add_argument("--context", type=int, default=32768, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..plan import plan_kv
+
+    cfg = kv_config(args)
+    source = model_source(args)
+    given = Path(source.location)
+    if source.local_config is None and not given.is_file():
+        raise FileNotFoundError(f"no config.json at {source.location}")
+    plan = plan_kv(given, cfg)
+    estimate = plan.estimate(args.context, args.batch)
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "estimate": estimate}, indent=2, default=str))
+        return 0
+    print(plan.table())
+    print()
+    print(f"estimate at {args.context} tokens x batch {args.batch}:")
+    for kind, e in estimate["by_kind"].items():
+        print(
+            f"  {kind:<8} {e['layers']:>3} slots  {mib(e['bytes']):>10}  (fp16 {mib(e['fp16_bytes'])})"
+        )
+    print(
+        f"  total          {mib(estimate['bytes']):>10}  (fp16 {mib(estimate['fp16_bytes'])}, "
+        f"ratio {estimate['ratio']:.3f})"
+    )
+    return 0
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"

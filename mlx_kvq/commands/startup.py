@@ -1,0 +1,99 @@
+"""What every command does before its own work: find the model, check, load.
+
+A setting that can be refused from `config.json` alone is refused here,
+before any weights are read (principle 1): `refuse_early` plans the KV
+caches from the config and raises `UnsupportedKVConfig` naming the layer.
+Errors are raised, never printed: `commands.main` turns them into exit
+status 2 with the message.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import KVConfig
+
+DEMO_MODEL_ID = "mlx-kvq-demo"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the model comes from and the id it is served under."""
+
+    location: str  # a directory or a repo id, as mlx_lm.load takes it
+    served_id: str
+
+    @property
+    def local_config(self) -> Path | None:
+        """The model's config.json when it is on disk (not a hub repo id)."""
+        path = Path(self.location) / "config.json"
+        return path if path.is_file() else None
+
+
+def model_source(args: argparse.Namespace) -> ModelSource:
+    """`--model`, or the embedded demo model when none is given."""
+    served = getattr(args, "served_model_name", None)
+    if args.model:
+        return ModelSource(args.model, served or args.model)
+    from ..demo import demo_model_path
+
+    try:
+        path = demo_model_path()
+    except FileNotFoundError as e:
+        raise FileNotFoundError(
+            f"no --model given and the embedded demo model is not available in this "
+            f"installation ({e}); pass --model PATH"
+        ) from None
+    return ModelSource(str(path), served or DEMO_MODEL_ID)
+
+
+def refuse_early(source: ModelSource, kv: KVConfig) -> None:
+    """Plan from config.json alone (no weights), so a bad setting stops here."""
+    from ..plan import plan_kv
+
+    if kv.enabled and source.local_config is not None:
+        plan_kv(source.local_config.parent, kv)
+
+
+def tokenizer_config(args: argparse.Namespace) -> dict[str, Any]:
+    """mlx-lm's tokenizer options from `--trust-remote-code` and `--chat-template`."""
+    config: dict[str, Any] = {}
+    if getattr(args, "trust_remote_code", False):
+        config["trust_remote_code"] = True
+    if getattr(args, "chat_template", None):
+        config["chat_template"] = args.chat_template
+    return config
+
+
+def load_model(source: ModelSource, args: argparse.Namespace) -> tuple[Any, Any]:
+    """(model, tokenizer) with mlx-lm's `load`; a failure names the model."""
+    from mlx_lm import load
+
+    try:
+        return load(source.location, tokenizer_config=tokenizer_config(args))
+    except Exception as e:  # noqa: BLE001 - any load failure is a bad --model
+        raise ValueError(
+            f"could not load the model from {source.location}: {type(e).__name__}: {e}"
+        ) from e
+
+
+def check_sharding_early(location: str, pipeline: bool, rank: int):
+    """Under `mlx.launch`: can the group shard this model? Decided from
+    config.json before any weight is read, the same on every rank
+    (`distributed.planning.check_sharding`); returns the tensor layout (None
+    for pipeline), raises naming the rank otherwise (an unreadable config
+    too, as loading would)."""
+    from ..config import UnsupportedKVConfig
+    from ..distributed.planning import check_sharding
+
+    try:
+        return check_sharding(location, pipeline)
+    except UnsupportedKVConfig as e:
+        raise UnsupportedKVConfig(f"rank {rank}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - no config to read: say so, as loading would
+        raise ValueError(
+            f"rank {rank}: could not read the config of {location}: {type(e).__name__}: {e}"
+        ) from e

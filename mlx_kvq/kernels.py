@@ -1,0 +1,110 @@
+"""The native CPU kernels of quantized attention, and whether they are in use.
+
+`mlx_kvq._native` (built by `pip install -e .` from `mlx_kvq/native/qattn.cpp`
+where a C++ compiler is present) adds two MLX primitives that read packed
+K/V once and multiply them with a few rows at a time: what decode attention
+needs, and what MLX's CPU `quantized_matmul` does slowly (scalar code that
+re-reads the packed matrix for every row). They are used only on the CPU, only
+when the module was built against the running MLX version (MLX's C++ API has
+no stable ABI) and only after a self-check against `mx.dequantize` passed;
+otherwise attention keeps MLX's operations, and `native_status()` says why.
+`MLX_KVQ_NATIVE=0` turns them off; `MLX_KVQ_NATIVE_THREADS` caps the threads
+one call uses (default: one per core; small calls run on one).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .quant import QuantizedKV
+
+ENV = "MLX_KVQ_NATIVE"
+
+
+@dataclass(frozen=True)
+class NativeStatus:
+    available: bool
+    reason: str  # why (not) in use
+
+    def summary(self) -> str:
+        return ("native CPU kernels: " if self.available else "no native CPU kernels: ") + (
+            self.reason
+        )
+
+
+_module = None
+_status: NativeStatus | None = None
+
+
+def _self_check(module) -> str | None:
+    """None if both kernels match MLX's dequantize-then-multiply on a small
+    strided case for every width; else what differed."""
+    mx.random.seed(0)
+    for bits in (2, 3, 4, 5, 6, 8):
+        x = mx.random.normal((1, 2, 40, 64))
+        w, s, b = mx.quantize(x, group_size=32, bits=bits)
+        w, s, b = (a[..., :33, :] for a in (w, s, b))
+        dense = mx.dequantize(w, s, b, group_size=32, bits=bits)
+        q = mx.random.normal((1, 2, 3, 64))
+        p = mx.random.uniform(shape=(1, 2, 3, 33))
+        got = (
+            module.packed_scores(q, w, s, b, 32, bits),
+            module.packed_weighted(p, w, s, b, 32, bits),
+        )
+        want = (q @ dense.swapaxes(-1, -2), p @ dense)
+        for g, r in zip(got, want, strict=True):
+            if g.shape != r.shape or not mx.allclose(g, r, atol=1e-4, rtol=1e-4).item():
+                return f"self-check failed at {bits} bits"
+    return None
+
+
+def native_status() -> NativeStatus:
+    """Whether the native kernels are in use, and why (decided once)."""
+    global _module, _status
+    if _status is not None:
+        return _status
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        _status = NativeStatus(False, f"{ENV}={os.environ[ENV]} (turned off)")
+        return _status
+    try:
+        module = importlib.import_module(f"{__package__}._native")
+    except ImportError as e:
+        _status = NativeStatus(
+            False, f"mlx_kvq._native not built ({e}): quantized decode uses mx.quantized_matmul"
+        )
+        return _status
+    if module.built_for_mlx != mx.__version__:
+        _status = NativeStatus(
+            False,
+            f"mlx_kvq._native was built for MLX {module.built_for_mlx}, running "
+            f"{mx.__version__}: reinstall mlx-kvq (pip install -e .) to rebuild it",
+        )
+        return _status
+    try:
+        with mx.stream(mx.cpu):
+            problem = _self_check(module)
+    except (TypeError, ValueError, RuntimeError) as e:
+        # e.g. a nanobind release other than mlx.core's: MLX arrays are not
+        # recognised as arguments (TypeError)
+        problem = f"self-check raised {type(e).__name__}: {e}"
+    if problem:
+        _status = NativeStatus(False, f"mlx_kvq._native {problem}: not used")
+        return _status
+    _module = module
+    _status = NativeStatus(True, f"mlx_kvq._native built for MLX {module.built_for_mlx}")
+    return _status
+
+
+def packed_scores(q: mx.array, k: QuantizedKV) -> mx.array:
+    """float32 `q @ K^T` (B, H, M, N) from packed K (B, H, N, D), reading each
+    packed row once for all M rows; K may be a strided view of a cache buffer."""
+    return _module.packed_scores(q, k.data, k.scales, k.biases, k.group_size, k.bits)
+
+
+def packed_weighted(p: mx.array, v: QuantizedKV) -> mx.array:
+    """float32 `p @ V` (B, H, M, D) from packed V (B, H, N, D)."""
+    return _module.packed_weighted(p, v.data, v.scales, v.biases, v.group_size, v.bits)

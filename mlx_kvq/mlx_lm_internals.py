@@ -1,0 +1,72 @@
+"""The private parts of mlx-lm that mlx-kvq relies on, in one place.
+
+Each was checked against mlx-lm 0.32.2; when mlx-lm changes one of them,
+this is the only file to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import _BaseCache
+from mlx_lm.utils import _download, _get_classes
+
+# mlx-lm 0.32.2: the base class of every cache (state, meta_state, trimming and
+# `from_state` for prompt-cache files); our caches derive from it.
+BaseCache = _BaseCache
+
+
+def batch_caches(generator: BatchGenerator) -> list[Any]:
+    """The per-layer caches of every sequence a `BatchGenerator` holds.
+
+    mlx-lm 0.32.2 keeps them in `_prompt_batch` (prompts being processed) and
+    `_generation_batch` (sequences decoding) and has no public accessor.
+    """
+    return list(generator._prompt_batch.prompt_cache) + list(
+        generator._generation_batch.prompt_cache
+    )
+
+
+def model_classes(config: dict[str, Any]) -> tuple[type, type]:
+    """(Model class, ModelArgs class) for a config, as `mlx_lm.load` picks them
+    (mlx-lm 0.32.2: `mlx_lm.utils._get_classes`)."""
+    return _get_classes(config)
+
+
+def local_model(path_or_repo: str, allow_patterns: list[str] | None = None) -> Path:
+    """The local directory of a model: the path itself, or a Hugging Face repo
+    downloaded (only `allow_patterns` if given), as `sharded_load` does it
+    (mlx-lm 0.32.2: `mlx_lm.utils._download`)."""
+    return _download(str(path_or_repo), allow_patterns=allow_patterns)
+
+
+def ring_index(cache: Any) -> int:
+    """The next slot a `RotatingKVCache` (or its batch form) writes (0.32.2: `_idx`)."""
+    return cache._idx
+
+
+@dataclass(frozen=True)
+class BatchCursor:
+    """Where a batch cache of mlx-lm 0.32.2 stands, beyond its public `offset`
+    and `left_padding`: the write index (`_idx`), a window's token count
+    (`_offset`), right padding between `prepare` and `finalize`
+    (`_right_padding`) and a window's per-row lengths (`_lengths`)."""
+
+    idx: int
+    offset: int | None
+    right_padding: mx.array | None
+    lengths: mx.array | None
+
+
+def batch_cursor(cache: Any) -> BatchCursor:
+    """The `BatchCursor` of a `BatchKVCache` or `BatchRotatingKVCache`."""
+    return BatchCursor(
+        idx=cache._idx,
+        offset=getattr(cache, "_offset", None),
+        right_padding=getattr(cache, "_right_padding", None),
+        lengths=getattr(cache, "_lengths", None),
+    )

@@ -1,0 +1,45 @@
+"""Draining: what the process running the app tells it, and what it counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import error_response
+
+RETRY_AFTER_S = 5  # what a client is told to wait while the server shuts down
+
+
+@dataclass
+class Lifecycle:
+    """Shared with the process that runs the app: whether it is draining, and
+    how many /v1 requests are still being answered (streams until their end)."""
+
+    draining: bool = False
+    in_flight: int = 0
+
+
+class InFlightMiddleware:
+    """ASGI middleware: count /v1 requests until their response ends; refuse
+    new ones with 503 and Retry-After once the server is draining."""
+
+    def __init__(self, app: Any, lifecycle: Lifecycle):
+        self.app = app
+        self.lifecycle = lifecycle
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.lifecycle.draining:
+            response = error_response(
+                503, "the server is shutting down; retry on another instance or later",
+                code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)},
+            )  # fmt: skip
+            await response(scope, receive, send)
+            return
+        self.lifecycle.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.lifecycle.in_flight -= 1

@@ -1,0 +1,28 @@
+"""What the HTTP layer needs to know besides the engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The served model's id, auth, limits, sampling defaults and the plan it reports."""
+
+    model_id: str
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    chat_template_args: dict[str, Any] = field(default_factory=dict)
+    max_context: int | None = None
+    plan: dict[str, Any] = field(default_factory=dict)  # KVPlan.to_dict(), or the group's
+    allowed_origins: tuple[str, ...] = ("*",)
+    created: int = field(default_factory=lambda: int(time.time()))

@@ -1,0 +1,115 @@
+"""One request's events, from the engine thread to the HTTP handler.
+
+`Generation` submits a request to the engine and hands its events to the
+handler's event loop: all at once (`collect`, for a JSON answer) or one by
+one (`events`, for server-sent events). Either way a client that goes away
+gets its request cancelled in the engine at once, which frees its memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from mlx_kvq.engine import Engine, ErrorEvent, Event, FinishEvent, GenerationRequest, TokenEvent
+
+from .errors import APIError
+
+_DISCONNECTED = object()  # queued when the client of a non-streaming request goes away
+
+
+class Generation:
+    """See the module docstring."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest):
+        self.engine = engine
+        self.request = request
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._held: Any = None  # an event taken off the queue early, to be read first
+
+    def _sink(self, event: Event) -> None:
+        """Called on the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # loop closed: the server is going away
+            pass
+
+    async def start(self) -> None:
+        """Submit; an immediate refusal (queue full, shutting down) raises `APIError`."""
+        self.engine.submit(self.request, self._sink)
+        await asyncio.sleep(0)  # let a refusal from submit() land in the queue
+        if not self._queue.empty():
+            self._held = self._queue.get_nowait()  # a refusal comes before any token
+            if isinstance(self._held, ErrorEvent):
+                raise APIError(self._held.status, self._held.message, code=self._held.code)
+
+    async def _next(self) -> Any:
+        if self._held is not None:
+            event, self._held = self._held, None
+            return event
+        return await self._queue.get()
+
+    async def collect(self, http: Request) -> tuple[list[TokenEvent], FinishEvent]:
+        """Every token and the finish; cancels the request as soon as the client leaves."""
+        watcher = asyncio.create_task(self._watch_disconnect(http))
+        tokens: list[TokenEvent] = []
+        try:
+            while True:
+                event = await self._next()
+                if event is _DISCONNECTED:
+                    self.engine.cancel(self.request.id)
+                    raise APIError(499, "client disconnected")
+                if isinstance(event, TokenEvent):
+                    tokens.append(event)
+                elif isinstance(event, FinishEvent):
+                    return tokens, event
+                else:
+                    raise APIError(event.status, event.message, code=event.code)
+        finally:
+            watcher.cancel()
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Events up to and including the last one (a finish or an error).
+
+        A streaming client that leaves closes this iterator early (Starlette
+        cancels the response), which cancels the request.
+        """
+        done = False
+        try:
+            while True:
+                event = await self._next()
+                yield event
+                if not isinstance(event, TokenEvent):
+                    done = True
+                    return
+        finally:
+            if not done:
+                self.engine.cancel(self.request.id)
+
+    async def _watch_disconnect(self, http: Request) -> None:
+        """Wait for the client to disconnect (its body is already read), then say so."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        self._queue.put_nowait(_DISCONNECTED)
+
+
+def sse(data: Any) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(data)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        chunks,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -1,0 +1,228 @@
+"""The package's shape: imports go down the layers, no cycles, no private names.
+
+Every `import` in `mlx_kvq` (at module level or inside a function) is read
+from the source. A module may import only modules of its own layer or a
+lower one (the README's module table, top to bottom); the import graph has
+no cycle; no module imports another module's `_private` name; mlx-lm's
+private names are imported in `mlx_lm_internals.py` only; every shipped
+module imports after a plain install (no test-only dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx_kvq
+
+PACKAGE = Path(mlx_kvq.__file__).parent
+
+# Lowest first: a module imports only modules of its own layer or of layers above it here.
+LAYERS = [
+    ("settings", ["config", "defaults", "mlx_lm_internals", "demo", "blas"]),
+    ("storage", ["quant", "kernels", "native"]),
+    ("caches", ["caches"]),
+    ("attention", ["attention"]),
+    ("plan", ["plan"]),
+    ("generation", ["generate", "speculative", "evaluate", "distributed"]),
+    ("engine", ["engine", "distributed.coordinator", "bench"]),
+    ("HTTP", ["server"]),
+    ("command line", ["commands", "__main__", "bench.__main__", ""]),
+]
+
+
+def modules() -> dict[str, Path]:
+    """Dotted name (relative to mlx_kvq, '' for the package) -> source file."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = modules()
+
+
+def layer(name: str) -> int:
+    """The layer of a module: its longest matching prefix in LAYERS."""
+    best, rank = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".") or p == "") and len(p) > best:
+                best, rank = len(p), i
+    assert rank is not None, f"{name} is in no layer: add it to LAYERS"
+    return rank
+
+
+def resolve(module: str, node: ast.ImportFrom | ast.Import) -> list[tuple[str, list[str]]]:
+    """(imported mlx_kvq module, names taken from it) for one import statement."""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            if alias.name == "mlx_kvq" or alias.name.startswith("mlx_kvq."):
+                found.append((alias.name.removeprefix("mlx_kvq").lstrip("."), []))
+        return found
+    if node.level:
+        base = package.split(".") if package else []
+        base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+        target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+    elif node.module and (node.module == "mlx_kvq" or node.module.startswith("mlx_kvq.")):
+        target = node.module.removeprefix("mlx_kvq").lstrip(".")
+    else:
+        return []
+    names = [a.name for a in node.names]
+    submodules = [n for n in names if f"{target}.{n}".lstrip(".") in MODULES]
+    found += [(f"{target}.{n}".lstrip("."), []) for n in submodules]
+    rest = [n for n in names if n not in submodules]
+    if rest or not submodules:
+        found.append((target, rest))
+    return found
+
+
+def imports() -> dict[str, list[tuple[str, list[str], int]]]:
+    """module -> [(imported module, names, line)]."""
+    graph = {}
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        graph[name] = [
+            (target, names, node.lineno)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for target, names in resolve(name, node)
+        ]
+    return graph
+
+
+GRAPH = imports()
+
+
+def test_imports_only_go_down_the_layers():
+    bad = [
+        f"mlx_kvq.{m}:{line} ({LAYERS[layer(m)][0]}) imports mlx_kvq.{t} ({LAYERS[layer(t)][0]})"
+        for m, edges in GRAPH.items()
+        for t, _, line in edges
+        if t in MODULES and layer(t) > layer(m)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    edges = {m: {t for t, _, _ in e if t in MODULES and t != m} for m, e in GRAPH.items()}
+    # A package's __init__ importing its own submodules is how packages re-export.
+    for m in edges:
+        edges[m] = {t for t in edges[m] if not (t.startswith(m + ".") if m else True)}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_private_names_cross_modules():
+    bad = [
+        f"mlx_kvq.{m}:{line} imports {n} from mlx_kvq.{t}"
+        for m, edges in GRAPH.items()
+        for t, names, line in edges
+        for n in names
+        if n.startswith("_") and t != m
+    ]
+    for name, path in MODULES.items():
+        if name == "mlx_lm_internals":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlx_lm"):
+                bad += [
+                    f"mlx_kvq.{name}:{node.lineno} imports mlx-lm's private {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                ]
+    assert not bad, "\n".join(bad)
+
+
+def extra_only_imports() -> set[str]:
+    """Import names of what the `test` extra installs beyond a plain install."""
+    from importlib.metadata import packages_distributions, requires
+
+    from packaging.requirements import Requirement
+
+    def needs(dist: str, extra: str = "") -> set[str]:
+        out = set()
+        for text in requires(dist) or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": extra}):
+                out.add(req.name.lower().replace("_", "-"))
+        return out
+
+    base, todo = set(), list(needs("mlx-kvq"))
+    while todo:
+        dist = todo.pop()
+        if dist not in base:
+            base.add(dist)
+            try:
+                todo += needs(dist)
+            except Exception:  # noqa: BLE001 - not installed on this platform
+                pass
+    extra = needs("mlx-kvq", "test") - needs("mlx-kvq") - base
+    return {
+        module
+        for module, dists in packages_distributions().items()
+        if {d.lower().replace("_", "-") for d in dists} & extra
+    }
+
+
+def test_every_shipped_module_imports_without_the_test_extra():
+    """No shipped module needs what only the test extra installs (nor the test helpers)."""
+    blocked = sorted(extra_only_imports() | {"kvq_testing"})
+    assert "openai" in blocked and "mlx" not in blocked
+    names = [f"mlx_kvq.{m}" for m in MODULES if m and not m.endswith("__main__")]
+    code = (
+        "import importlib, sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {blocked!r}:\n"
+        "            raise ImportError(f'{name} is only installed with the test extra')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_the_layout_table_covers_every_module():
+    compiled = {p.name.split(".")[0] for p in PACKAGE.rglob("*.so")}  # native kernels
+    on_disk = {m.name for m in pkgutil.walk_packages([str(PACKAGE)], "")} - compiled
+    assert on_disk <= set(MODULES) | {""}
+    for m in MODULES:
+        layer(m)
+    assert importlib.import_module("mlx_kvq.commands").main
