@@ -207,3 +207,50 @@ def test_batch_forms_keep_each_kinds_width():
         one = m.extract(1)
         assert one.bounded == m.bounded and one.keys.spec.bits == want
         assert one.nbytes == round(plan.layers[merged.index(m)].bytes_per_token() * one.keys.length)
+
+
+def test_deepseek_v41_window_rows_take_the_bounded_width(tmp_path):
+    """deepseek_v41's LayerCache: its `window` field is bounded (8 bits here),
+    its compressed rows and indexer keys are not (3 bits); bytes as planned,
+    and a prompt file of it is checked field by field."""
+    from mlx_kvq.caches import leaves
+
+    model = build_model("deepseek_v41", seed=3)
+    plan = plan_kv(model, CFG)
+    widths = {(p.kind, p.key_spec.bits) for p in plan.kv_layers}
+    assert widths == {("sliding", 8), ("compressed", 3), ("indexer", 3)}
+    cache = plan.make_cache()
+    model(mx.arange(1, 41).reshape(1, -1), cache=cache)
+    model(mx.array([[3]]), cache=cache)
+    held = [c for slot in cache for c in leaves(slot) if isinstance(c, KVQCache)]
+    assert len(held) == len(plan.kv_layers)
+    for p, c in zip(plan.kv_layers, held, strict=True):
+        assert (c.kind, c.key_spec.bits, c.bounded) == (
+            p.kind,
+            p.key_spec.bits,
+            p.window is not None,
+        )
+        assert c.nbytes == round(p.bytes_per_row() * c.key_store.length)
+    path = str(tmp_path / "v41.safetensors")
+    save_prompt_cache(path, cache)
+    load_prompt_cache(path, expect=CFG)
+    with pytest.raises(UnsupportedKVConfig, match="was stored as"):
+        load_prompt_cache(path, expect=CFG.with_(window_bits=None))
+
+
+def test_window_bits_zero_leaves_bounded_layers_unquantized_on_request():
+    with pytest.raises(ValueError, match="--allow-partial-kv"):
+        KVConfig(bits=3, window_bits=0)
+    cfg = KVConfig(bits=3, window_bits=0, allow_partial=True)
+    assert cfg.specs(bounded=True) == (QuantSpec(None), QuantSpec(None))
+    assert kv_config(_args("--kv-bits", "3", "--kv-window-bits", "0", "--allow-partial-kv")) == cfg
+    model = tiny_model("gemma3_text")
+    model.set_dtype(mx.float16)  # the plan counts unquantized elements at 2 bytes
+    plan = plan_kv(model, cfg)
+    assert plan.partial and "PARTIAL" in plan.summary()
+    assert {(p.window is not None, p.quantized) for p in plan.kv_layers} == {
+        (True, False),
+        (False, True),
+    }
+    for context in (256, 512):
+        assert plan.estimate(context)["bytes"] == held_storage(model, cfg, context)["bytes"]
