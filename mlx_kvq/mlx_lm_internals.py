@@ -12,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import _BaseCache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes
 
 # mlx-lm 0.32.2: the base class of every cache (state, meta_state, trimming and
@@ -34,6 +35,12 @@ def model_classes(config: dict[str, Any]) -> tuple[type, type]:
     """(Model class, ModelArgs class) for a config, as `mlx_lm.load` picks them
     (mlx-lm 0.32.2: `mlx_lm.utils._get_classes`)."""
     return _get_classes(config)
+
+
+def hf_tokenizer(wrapper: Any) -> Any:
+    """The Hugging Face tokenizer inside mlx-lm's `TokenizerWrapper` (0.32.2:
+    `_tokenizer`); any other tokenizer is returned as it is."""
+    return wrapper._tokenizer if isinstance(wrapper, TokenizerWrapper) else wrapper
 
 
 def ring_index(cache: Any) -> int:

@@ -30,7 +30,13 @@ from .flags import (
     parse_size,
 )
 from .http_process import DEFAULT_SHUTDOWN_TIMEOUT_S, serve_http
-from .startup import ModelSource, load_model, model_source, tokenizer_config
+from .startup import (
+    ModelSource,
+    load_model,
+    model_source,
+    tokenizer_config,
+    use_default_chat_template,
+)
 
 log = logging.getLogger("mlx_kvq.server")
 
@@ -62,6 +68,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
     )
     p.add_argument("--chat-template", default="", help="override the tokenizer's chat template")
+    p.add_argument(
+        "--use-default-chat-template",
+        action="store_true",
+        help="when the tokenizer has no chat template, use its default one (as mlx_lm.server; "
+        "exit 2 when it has none)",
+    )
     p.add_argument(
         "--chat-template-args",
         type=json_object,
@@ -258,6 +270,8 @@ def run_ranks(args: argparse.Namespace) -> int:
         raise ValueError(
             f"rank {rank}: could not load the model from {source.location}: {type(e).__name__}: {e}"
         ) from e
+    if args.use_default_chat_template:
+        use_default_chat_template(tokenizer)
     sync_seed()
 
     def checks(plan) -> None:
