@@ -112,7 +112,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer <key>' on /v1/* (or set {API_KEY_ENV})",
+        help=f"require 'Authorization: Bearer <key>' on the OpenAI routes (or set {API_KEY_ENV})",
     )
     p.add_argument(
         "--max-request-bytes",

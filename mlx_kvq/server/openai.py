@@ -49,6 +49,14 @@ DEFAULT_MODEL_ALIAS = "default_model"  # what clients written for mlx_lm.server 
 TEMPLATE_FIELDS = ("reasoning_effort", "verbosity")
 
 
+def template_fields(body: Any, variables: frozenset[str]) -> tuple[dict[str, Any], str | None]:
+    """The `TEMPLATE_FIELDS` set in `body` as template variables, and the first
+    one set that the template (reading `variables`) does not read, or None."""
+    fields = {n: getattr(body, n) for n in TEMPLATE_FIELDS if getattr(body, n) is not None}
+    unread = next((n for n in fields if n not in variables), None)
+    return fields, unread
+
+
 def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> APIRouter:
     """The OpenAI routes; `auth` is the dependency that checks the API key."""
     router = APIRouter(dependencies=[Depends(auth)])
@@ -142,17 +150,14 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
 
     def template_args(body: schemas.ChatCompletionRequest) -> dict[str, Any]:
         args = {**settings.chat_template_args, **(body.chat_template_kwargs or {})}
-        for name in TEMPLATE_FIELDS:
-            value = getattr(body, name)
-            if value is None:
-                continue
-            if name not in variables:
-                raise reject(
-                    400,
-                    f"{name} cannot be honoured: this model's chat template does not read '{name}'",
-                    param=name,
-                )
-            args.setdefault(name, value)
+        fields, unread = template_fields(body, variables)
+        if unread is not None:
+            raise reject(
+                400,
+                f"{unread} cannot be honoured: this model's chat template does not read '{unread}'",
+                param=unread,
+            )
+        args = {**fields, **args}
         if body.role_mapping is not None and templated:
             raise reject(
                 400,

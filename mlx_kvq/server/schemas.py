@@ -123,11 +123,12 @@ class _Request(BaseModel):
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
-    @model_validator(mode="after")
-    def _check_stop(self):
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None):
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
-        return self
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -322,15 +323,16 @@ class CompletionRequest(_Request):
     def _check_suffix(cls, value: str | None):
         return refuse_unless(value, ("",), "suffix (fill-in-the-middle) is not supported")
 
-    @model_validator(mode="after")
-    def _check_top(self):
-        n, top = self.logprobs, self.top_logprobs
+    @field_validator("logprobs")
+    @classmethod
+    def _check_top(cls, value: bool | int | None, info: ValidationInfo):
+        top = info.data.get("top_logprobs")
         if (
-            isinstance(n, int) and not isinstance(n, bool)
-            and top is not None and top > 0 and top != n
+            isinstance(value, int) and not isinstance(value, bool)
+            and top is not None and top > 0 and top != value
         ):  # fmt: skip
             raise ValueError("logprobs and top_logprobs ask for different numbers of alternatives")
-        return self
+        return value
 
 
 # ---------------------------------------------------------------- responses
