@@ -80,7 +80,8 @@ class GrammarError(ValueError):
 
 
 class Grammars:
-    """llguidance over the served tokenizer; built once, when the engine is.
+    """llguidance over the served tokenizer; built (and a grammar compiled)
+    once, when the engine is.
 
     `reason` says why grammars are unavailable (a tokenizer llguidance
     cannot read), or is None.
@@ -93,7 +94,9 @@ class Grammars:
             self._tokenizer = llguidance.hf.from_tokenizer(
                 hf_tokenizer(tokenizer), eos_token=list(tokenizer.eos_token_ids)
             )
+            self.processor(json_grammar(None))  # the real path, once, at startup
         except Exception as e:  # noqa: BLE001 - any failure means: no grammars here
+            self._tokenizer = None
             self.reason = f"llguidance cannot read this tokenizer ({type(e).__name__}: {e})"
 
     @property

@@ -298,7 +298,9 @@ class CompletionRequest(_Request):
 
     @property
     def want_logprobs(self) -> bool:
-        return self.logprobs is not None and self.logprobs is not False or self.top_count > 0
+        """`logprobs: true` or N (0 included), or mlx-lm's `top_logprobs` above 0."""
+        given = self.logprobs is not None and self.logprobs is not False  # 0 counts
+        return given or self.top_count > 0
 
     @property
     def top_count(self) -> int:
