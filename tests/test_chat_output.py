@@ -18,7 +18,7 @@ from mlx_kvq.engine.prompts import chat_tokens, template_variables
 from mlx_kvq.server.chat_output import OutputSplitter
 from mlx_kvq.server.openai import template_fields
 from mlx_kvq.server.schemas import ChatCompletionRequest
-from mlx_kvq.server.tools import ToolChoiceError, tool_policy
+from mlx_kvq.server.tools import ToolChoiceError, tool_policy, tools_refusal
 
 TOOL_TEXT = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
 CALL = "<tool_call>" + TOOL_TEXT + "</tool_call>"
@@ -205,3 +205,11 @@ def test_tool_choice_policies(choice, render, parse):
 def test_tool_choices_that_cannot_be_enforced_are_refused(choice):
     with pytest.raises(ToolChoiceError):
         tool_policy(choice)
+
+
+def test_tools_a_model_cannot_take_are_refused(tokenizers):
+    qwen3, plain = tokenizers["qwen3"], tokenizers["plain"]
+    assert tools_refusal(OutputSplitter(qwen3).tools, template_variables(qwen3)) is None
+    refusal = tools_refusal(OutputSplitter(plain).tools, template_variables(plain))
+    assert "does not render tools" in refusal
+    assert "no tool-call parser" in tools_refusal(False, frozenset({"tools"}))

@@ -261,6 +261,23 @@ def test_response_format(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
 
 
+def test_logprobs_of_masked_or_overflowing_tokens_are_json(server):
+    """A grammar masks tokens to -inf (reported as OpenAI's -9999); a penalty
+    of 1e-178 drives logits to infinity (NaN logprobs are reported as null)."""
+    enum = {"type": "json_schema",
+            "json_schema": {"name": "a", "schema": {"type": "string", "enum": ["no", "yes"]}}}  # fmt: skip
+    body = {"messages": user("The capital?"), "response_format": enum, "top_logprobs": 3}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    first = r.json()["choices"][0]["logprobs"]["content"][0]
+    assert first["token"] == '"' and [t["logprob"] for t in first["top_logprobs"]][1:] == [
+        -9999.0, -9999.0
+    ]  # fmt: skip
+    body = {"prompt": "0", "logprobs": True, "repetition_penalty": 1e-178, "max_tokens": 2}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+
+
 # -- every field's treatment ---------------------------------------------------------------
 def same(r, base) -> bool:
     return (

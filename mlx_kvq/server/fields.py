@@ -53,12 +53,12 @@ COMMON = {
         H,
         "0 to 20 alternatives per token; above 0 returns logprobs even without logprobs: "
         "true (mlx_lm.server's reading); -1: none",
-    ),  # fmt: skip
+    ),
     "repetition_penalty": FieldDoc(
         H,
         "mlx-lm extra: sign-aware multiplicative penalty on the last "
         "repetition_context_size tokens, prompt included; 0: off",
-    ),  # fmt: skip
+    ),
     "repetition_context_size": FieldDoc(H, "mlx-lm extra; default 20 (0: the whole context)"),
     "presence_penalty": FieldDoc(
         H, "subtracted once from each token in the last presence_context_size tokens"
@@ -86,13 +86,14 @@ CHAT = {
         "roles system, developer, user, assistant, tool; text parts; other keys (tool_calls, "
         "tool_call_id, name, reasoning) reach the template, tool_calls arguments decoded from "
         "JSON as mlx_lm.server does",
-    ),  # fmt: skip
+    ),
     "logprobs": FieldDoc(H, "the sampled token's logprob and bytes, streamed too"),
     "tools": FieldDoc(
         H,
         "rendered by the chat template; calls parsed by mlx-lm's parser for the model into "
-        "tool_calls, finish_reason tool_calls",
-    ),  # fmt: skip
+        "tool_calls, finish_reason tool_calls; 400 when the template does not render tools or "
+        "mlx-lm has no parser for the model",
+    ),
     "tool_choice": FieldDoc(
         H, "auto; none (tools not rendered, calls not parsed); required or a named function 400"
     ),
@@ -101,12 +102,12 @@ CHAT = {
         H,
         "text; json_object and json_schema enforced with llguidance (400 when the answer "
         "starts inside the model's reasoning)",
-    ),  # fmt: skip
+    ),
     "chat_template_kwargs": FieldDoc(
         H,
         "over --chat-template-args (e.g. enable_thinking); keys that change what rendering "
         "returns 400",
-    ),  # fmt: skip
+    ),
     "role_mapping": FieldDoc(H, "mlx-lm extra, for models without a chat template; 400 with one"),
     "reasoning_effort": FieldDoc(
         H, "passed to the chat template when it reads reasoning_effort (gpt-oss's does); else 400"

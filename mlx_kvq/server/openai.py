@@ -11,6 +11,7 @@ calls as mlx_lm.server splits it (`chat_output.py`, `tools.py`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -42,7 +43,9 @@ from .chat_output import OutputSplitter
 from .errors import APIError, error_body, validation_message
 from .settings import ServerSettings
 from .streams import IDLE, SSE_DONE, Generation, event_stream, keepalive, sse
-from .tools import ToolChoiceError, tool_policy
+from .tools import ToolChoiceError, tool_policy, tools_refusal
+
+log = logging.getLogger("mlx_kvq.server")
 
 DEFAULT_MODEL_ALIAS = "default_model"  # what clients written for mlx_lm.server send
 # OpenAI fields a chat template may read as variables (gpt-oss's reads reasoning_effort)
@@ -64,6 +67,11 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
     splitter = OutputSplitter(engine.tokenizer)
     variables = template_variables(engine.tokenizer)
     templated = has_chat_template(engine.tokenizer)
+    log.info(
+        "chat answers: reasoning %s, tool calls %s",
+        "separated" if splitter.thinking else "not marked by this tokenizer",
+        "parsed" if splitter.tools else "not parsed (no parser for this model: tools get 400)",
+    )
 
     def reject(status: int, message: str, **kw: Any) -> APIError:
         engine.metrics.count_request(Outcome.REJECTED)
@@ -197,6 +205,9 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
         except ToolChoiceError as e:
             raise reject(400, str(e), param="tool_choice") from None
         tools = body.template_tools if policy.render else None
+        refusal = tools_refusal(splitter.tools, variables) if tools else None
+        if refusal is not None:
+            raise reject(400, f"tools cannot be honoured: {refusal}", param="tools")
         messages = [m.as_template_dict() for m in body.messages]
         args = template_args(body)
         try:

@@ -10,6 +10,7 @@ Responses are plain dicts in OpenAI's shapes.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -351,6 +352,17 @@ def usage_body(u: Usage) -> dict[str, Any]:
     }
 
 
+MIN_LOGPROB = -9999.0  # what OpenAI reports for a token the model all but rules out
+
+
+def json_logprob(value: float) -> float | None:
+    """A logprob JSON can carry: -inf (a token masked by a grammar or a bias)
+    as MIN_LOGPROB, NaN or +inf (logits a penalty drove to infinity) as null."""
+    if math.isfinite(value):
+        return value
+    return MIN_LOGPROB if value == -math.inf else None
+
+
 class TokenText:
     """Token strings and bytes for logprobs bodies."""
 
@@ -362,7 +374,11 @@ class TokenText:
 
     def entry(self, token: int, logprob: float) -> dict[str, Any]:
         text = self.text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {
+            "token": text,
+            "logprob": json_logprob(logprob),
+            "bytes": list(text.encode("utf-8")),
+        }
 
 
 def chat_logprobs(events: list[TokenEvent], tt: TokenText) -> dict[str, Any]:
@@ -383,8 +399,8 @@ def completion_logprobs(events: list[TokenEvent], tt: TokenText, offset: int = 0
             continue
         text = tt.text(e.token)
         tokens.append(text)
-        token_logprobs.append(e.logprob)
-        top.append({tt.text(t): lp for t, lp in e.top_logprobs})
+        token_logprobs.append(json_logprob(e.logprob))
+        top.append({tt.text(t): json_logprob(lp) for t, lp in e.top_logprobs})
         offsets.append(offset)
         offset += len(text)
     return {

@@ -11,7 +11,10 @@ markers and `ToolCalls` turns it into calls.
 `"none"` renders no tools and parses nothing, so any markup the model
 writes stays in `content` and `finish_reason` is never `"tool_calls"`;
 `"required"` and a named function would need constrained decoding and are
-refused with a 400, like `parallel_tool_calls: false`.
+refused with a 400, like `parallel_tool_calls: false`. Tools the server
+cannot honour are a 400 too (`tools_refusal`): a chat template that does not
+render them, or a model whose calls mlx-lm has no parser for (mlx_lm.server
+renders them and logs a warning, and the calls come back as text).
 """
 
 from __future__ import annotations
@@ -52,6 +55,21 @@ def tool_policy(tool_choice: str | dict[str, Any] | None) -> ToolPolicy:
     raise ToolChoiceError(
         f"tool_choice must be 'auto', 'none', 'required' or a function, not {tool_choice!r:.80}"
     )
+
+
+def tools_refusal(parser: bool, template_variables: frozenset[str]) -> str | None:
+    """Why a request's tools cannot be honoured, or None: `parser` is whether
+    mlx-lm can parse this model's calls, `template_variables` what its chat
+    template reads."""
+    if "tools" not in template_variables:
+        return "this model's chat template does not render tools"
+    if not parser:
+        return (
+            "mlx-lm has no tool-call parser for this model (none named by tool_parser_type "
+            "in tokenizer_config.json, none inferred from the chat template), so calls would "
+            "come back as text"
+        )
+    return None
 
 
 def new_call_id() -> str:
