@@ -36,6 +36,7 @@ from .startup import (
     load_model,
     model_source,
     tokenizer_config,
+    use_default_chat_template,
 )
 
 log = logging.getLogger("mlx_kvq.server")
@@ -68,6 +69,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
     )
     p.add_argument("--chat-template", default="", help="override the tokenizer's chat template")
+    p.add_argument(
+        "--use-default-chat-template",
+        action="store_true",
+        help="when the tokenizer has no chat template, use its default one (as mlx_lm.server; "
+        "exit 2 when it has none)",
+    )
     p.add_argument(
         "--chat-template-args",
         type=json_object,
@@ -106,7 +113,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer <key>' on /v1/* (or set {API_KEY_ENV})",
+        help=f"require 'Authorization: Bearer <key>' on the OpenAI routes (or set {API_KEY_ENV})",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -281,6 +288,8 @@ def run_ranks(args: argparse.Namespace) -> int:
         raise ValueError(
             f"rank {rank}: could not load the model from {source.location}: {type(e).__name__}: {e}"
         ) from e
+    if args.use_default_chat_template:
+        use_default_chat_template(tokenizer)
     sync_seed()
 
     def checks(plan) -> None:

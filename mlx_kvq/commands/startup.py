@@ -69,15 +69,26 @@ def tokenizer_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load_model(source: ModelSource, args: argparse.Namespace) -> tuple[Any, Any]:
-    """(model, tokenizer) with mlx-lm's `load`; a failure names the model."""
+    """(model, tokenizer) with mlx-lm's `load`; a failure names the model.
+
+    `--trust-remote-code` reaches the model too (custom `model_file`
+    architectures), as in mlx_lm.server.
+    """
     from mlx_lm import load
 
     try:
-        return load(source.location, tokenizer_config=tokenizer_config(args))
+        model, tokenizer = load(
+            source.location,
+            tokenizer_config=tokenizer_config(args),
+            trust_remote_code=getattr(args, "trust_remote_code", False),
+        )
     except Exception as e:  # noqa: BLE001 - any load failure is a bad --model
         raise ValueError(
             f"could not load the model from {source.location}: {type(e).__name__}: {e}"
         ) from e
+    if getattr(args, "use_default_chat_template", False):
+        use_default_chat_template(tokenizer)
+    return model, tokenizer
 
 
 def check_sharding_early(location: str, pipeline: bool, rank: int):
@@ -97,3 +108,18 @@ def check_sharding_early(location: str, pipeline: bool, rank: int):
         raise ValueError(
             f"rank {rank}: could not read the config of {location}: {type(e).__name__}: {e}"
         ) from e
+
+
+def use_default_chat_template(tokenizer: Any) -> None:
+    """mlx_lm.server's `--use-default-chat-template`: a tokenizer without a chat
+    template takes its default one; ValueError when there is none (recent
+    transformers releases have no default templates)."""
+    if tokenizer.chat_template is not None:
+        return
+    default = getattr(tokenizer, "default_chat_template", None)
+    if not default:
+        raise ValueError(
+            "--use-default-chat-template: the tokenizer has no chat template and no default "
+            "one; pass --chat-template with a template"
+        )
+    tokenizer.chat_template = default

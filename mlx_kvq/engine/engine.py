@@ -10,8 +10,9 @@ sliding-window alike), steps the batch and pushes events back through each
 request's sink. Finished sequences leave their caches in the prompt cache;
 cancelled ones leave the batch at the next step, which frees their memory.
 
-Whatever one request carries (its sampler, its text) can only fail that
-request: the batch and the engine go on (see `sampling.Guarded`).
+Whatever one request carries (its sampler, its logits processors, its text)
+can only fail that request: the batch and the engine go on (see
+`sampling.Guarded` and `processors.GuardedProcessor`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from .coordinator import (
     WarmupVerdict,
 )
 from .metrics import EngineMetrics
+from .processors import Grammars, GuardedProcessor, make_processors
 from .prompt_cache import PromptCache
 from .requests import (
     Cancel,
@@ -55,6 +57,8 @@ from .requests import (
     GenerationRequest,
     Message,
     Outcome,
+    PromptProgress,
+    SamplingParams,
     Stop,
     Submit,
     TokenEvent,
@@ -107,11 +111,19 @@ class _Live:
     detokenizer: Any
     stopper: StopMatcher
     sampler: Guarded | None = None
+    processors: list[GuardedProcessor] = field(default_factory=list)
     cached: int = 0
     completion_tokens: int = 0
     uid: int | None = None
     stop_hit: bool = False
     started: float = field(default_factory=time.monotonic)
+
+
+def check_logit_bias(p: SamplingParams, vocab: int | None) -> None:
+    """Refuse `logit_bias` token ids outside the model's logits (mlx-lm would
+    index out of bounds)."""
+    if vocab is not None and any(not 0 <= t < vocab for t, _ in p.logit_bias):
+        raise ValueError(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1})")
 
 
 def materialize(model: Any) -> None:
@@ -156,7 +168,14 @@ class Engine:
         self._sinks: dict[int, EventSink] = {}  # submitted requests not yet accepted
         self._pending: deque[_Live] = deque()
         self._live: dict[int, _Live] = {}  # by BatchGenerator uid
-        self._samplers = SamplerPool()
+        # mlx_lm.server's XTC special tokens: the newline's tokens and EOS
+        self._samplers = SamplerPool(
+            xtc_special=(*tokenizer.encode("\n"), *tokenizer.eos_token_ids)
+        )
+        self.grammars = Grammars(tokenizer)
+        if not self.grammars.available:
+            log.warning("response_format json_object/json_schema will get 400: %s",
+                        self.grammars.reason)  # fmt: skip
         self._eos = StopSequences([(t,) for t in tokenizer.eos_token_ids])
         self._kv_fraction = (0, 0)  # (quantized KV slots, KV slots) last seen
         self._lock = threading.Lock()  # guards _closed, the inbox and the request sets
@@ -215,6 +234,12 @@ class Engine:
                 return
             reason = self._closed
         sink(ErrorEvent(reason, 503, "engine_unavailable"))
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may name: the width of the model's logits once
+        the warm-up has seen them, the tokenizer's size before."""
+        return self._samplers.vocab or len(self.tokenizer)
 
     def cancel(self, request_id: int) -> None:
         """Drop a request (client gone); a no-op once it has finished."""
@@ -381,6 +406,8 @@ class Engine:
     def _insert(self, live: _Live) -> None:
         prompt = list(live.request.prompt)
         live.sampler = self._samplers.get(live.request.params)
+        live.processors = make_processors(live.request.params, self.grammars)
+        check_logit_bias(live.request.params, self._samplers.vocab)
         cache, cached = self.prompt_cache.fetch(prompt)
         if cache is None:
             cache, cached = self.plan.make_cache(), 0
@@ -395,6 +422,7 @@ class Engine:
             caches=[cache],
             all_tokens=[prompt[:cached]],
             samplers=[live.sampler],
+            logits_processors=[live.processors],
             stop_sequences=[self._eos],
         )
         live.uid = uid
@@ -407,6 +435,7 @@ class Engine:
             stats.prompt_tokens, stats.prompt_time, stats.generation_tokens, stats.decode_time
         )
         self._snapshot_prompts(prompt_responses)
+        self._send_progress(prompt_responses)
         self._batch_size = len(responses)
         stopped = []
         for r in responses:
@@ -429,14 +458,24 @@ class Engine:
         self._fail_sampling_errors()
 
     def _fail_sampling_errors(self) -> None:
-        """Fail the requests whose sampler raised during the step (see sampling.Guarded)."""
+        """Fail the requests whose sampler or logits processor raised during the
+        step (see sampling.Guarded and processors.GuardedProcessor)."""
         failed = {id(v.sampler): v.sampler for v in self._live.values() if v.sampler.error}
-        if not failed:
-            return
-        for live in [v for v in self._live.values() if id(v.sampler) in failed]:
-            self._fail(live, live.sampler.error)
+        for live in list(self._live.values()):
+            error = next((p.error for p in live.processors if p.error is not None), None)
+            if id(live.sampler) in failed:
+                error = live.sampler.error
+            if error is not None:
+                self._fail(live, error)
         for sampler in failed.values():
             sampler.take_error()
+
+    def _send_progress(self, prompt_responses: list) -> None:
+        """Tell requests that asked for it how far their prompt's prefill is."""
+        for r in prompt_responses:
+            live = self._live.get(r.uid)
+            if live is not None and live.request.progress:
+                live.sink(PromptProgress(*r.progress))
 
     def _fail(self, live: _Live, error: Exception) -> None:
         """End one request with an error; the batch and the engine go on."""

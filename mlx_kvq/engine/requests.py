@@ -34,7 +34,14 @@ class Outcome(str, Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. `temperature == 0` is greedy decoding."""
+    """How one request samples. `temperature == 0` is greedy decoding.
+
+    The penalties, `logit_bias` and XTC have mlx-lm's meanings and defaults
+    (`mlx_lm.sample_utils.make_logits_processors` / `make_sampler`, the values
+    `mlx_lm.server` uses when a request leaves them out); a penalty of 0 is
+    off. `grammar` is an llguidance grammar (JSON text) that the output must
+    match (`response_format`), or None.
+    """
 
     max_tokens: int
     temperature: float = 0.0
@@ -45,6 +52,22 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    repetition_penalty: float = 0.0
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:  # lists from JSON (other ranks) become tuples
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(
+            self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias)
+        )
 
 
 @dataclass(frozen=True)
@@ -54,6 +77,7 @@ class GenerationRequest:
     prompt: tuple[int, ...]
     params: SamplingParams
     id: int = field(default_factory=lambda: next(_ids))
+    progress: bool = False  # send `PromptProgress` events while the prompt is processed
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", tuple(self.prompt))
@@ -103,7 +127,16 @@ class ErrorEvent:
     code: str | None = None
 
 
-Event = TokenEvent | FinishEvent | ErrorEvent
+@dataclass(frozen=True)
+class PromptProgress:
+    """`processed` of the `total` prompt tokens this request prefills are done
+    (sent after each prefill step, to requests that asked for progress)."""
+
+    processed: int
+    total: int
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent | PromptProgress
 EventSink = Callable[[Event], None]
 
 
