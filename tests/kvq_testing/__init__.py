@@ -1,1 +1,3 @@
-"""Testing helpers for mlx_kvq (tiny random-weight model catalogue, ...)."""
+"""Testing helpers for mlx_kvq: tiny random-weight models (`tiny`, catalogue in
+`archs`), scripted models whose greedy output a test chooses (`scripted`),
+server subprocesses (`server`: `mlx-kvq serve` and `mlx_lm.server`)."""

@@ -2,7 +2,8 @@
 
 Tests talk to it with the official `openai` client and plain HTTP; nothing
 here asserts timings: waits are bounded only so that a broken server fails
-the test instead of hanging it.
+the test instead of hanging it. `MlxLmServerProcess` runs mlx-lm's own
+`mlx_lm.server` the same way, for parity tests that send both the same request.
 """
 
 from __future__ import annotations
@@ -164,3 +165,21 @@ class ServerProcess:
 
     def health(self) -> httpx.Response:
         return httpx.get(self.url + "/health", timeout=10)
+
+
+class MlxLmServerProcess(ServerProcess):
+    """`python -m mlx_lm.server --model DIR ...` on 127.0.0.1:<free port>: the
+    reference that parity tests compare `mlx-kvq serve` with.
+
+    Its `/health` answers 200 while the model is still loading (the model
+    loads in its generation thread); requests wait for the load, so
+    `wait_ready` followed by a request is still safe.
+    """
+
+    def command(self) -> list[str]:
+        if self.api_key:
+            raise ValueError("mlx_lm.server has no API key")
+        cmd = [sys.executable, "-m", "mlx_lm.server"]
+        if self.model is not None:
+            cmd += ["--model", str(self.model)]
+        return cmd + ["--host", "127.0.0.1", "--port", str(self.port)] + self.args
