@@ -15,6 +15,9 @@ import mlx.nn as nn
 
 from .config import UnsupportedKVConfig
 
+DEFAULT_DRAFT_TOKENS = 3  # mlx-lm's --num-draft-tokens default
+MAX_DRAFT_TOKENS = 64  # per step; a window keeps this many evicted slots to rewind
+
 
 def split_caches(model: nn.Module, prompt_cache: list | None) -> tuple[list | None, list | None]:
     """A combined speculative cache list as mlx-lm splits it: (target's, draft's)."""

@@ -21,9 +21,12 @@ import sys
 import threading
 
 from .flags import (
+    add_adapter_flag,
+    add_draft_flags,
     add_kv_flags,
     add_model_flag,
     add_sampling_flags,
+    check_draft_tokens,
     check_sampling,
     json_object,
     kv_config,
@@ -42,6 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """The `serve` flags: mlx_lm.server's names and meanings, plus ours."""
     p = sub.add_parser("serve", help="OpenAI-compatible server")
     add_model_flag(p)
+    add_adapter_flag(p)
+    add_draft_flags(p)
     p.add_argument(
         "--served-model-name",
         default=None,
@@ -139,6 +144,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     from ..server.schemas import check_template_kwargs
 
     check_sampling(args)
+    check_draft_tokens(args)
     for name in ("decode_concurrency", "prompt_concurrency", "prefill_step_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -178,6 +184,7 @@ def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
         top_k=args.top_k,
         min_p=args.min_p,
         chat_template_args=dict(args.chat_template_args),
+        adapter_path=source.adapter_path,
         max_context=plan.get("max_context"),
         plan=plan,
         allowed_origins=tuple(args.allowed_origins),
@@ -206,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
 
     kv = kv_config(args)
     check_numbers(args)
+    if args.draft_model:
+        raise ValueError("--draft-model: speculative decoding is not wired into serve yet")
     source = model_source(args)
     model, tokenizer = load_model(source, args)
     try:
@@ -238,6 +247,11 @@ def run_ranks(args: argparse.Namespace) -> int:
         kv = kv_config(args)
         check_numbers(args)
         source = model_source(args)
+        for flag in ("draft_model", "adapter_path"):
+            if getattr(args, flag):
+                raise ValueError(
+                    f"--{flag.replace('_', '-')} is not supported under mlx.launch (as in mlx-lm)"
+                )
         if args.pipeline and args.prompt_cache_bytes is not None:
             raise ValueError(
                 "--prompt-cache-bytes is not supported with --pipeline: ranks hold different "

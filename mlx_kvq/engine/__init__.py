@@ -13,6 +13,7 @@ from .engine import SHUTTING_DOWN, Engine, EngineOptions
 from .metrics import EngineMetrics, MetricsSnapshot
 from .prompt_cache import PromptCache
 from .requests import (
+    Checkpoint,
     ErrorEvent,
     Event,
     FinishEvent,
@@ -20,6 +21,7 @@ from .requests import (
     GenerationRequest,
     Outcome,
     SamplingParams,
+    Segment,
     TokenEvent,
     Usage,
 )
@@ -27,6 +29,7 @@ from .warmup import Readiness, ReadinessState, Status, WarmupFailed, check_batch
 
 __all__ = [
     "SHUTTING_DOWN",
+    "Checkpoint",
     "Coordinator",
     "Engine",
     "EngineMetrics",
@@ -45,6 +48,7 @@ __all__ = [
     "Readiness",
     "ReadinessState",
     "SamplingParams",
+    "Segment",
     "Status",
     "StepCommands",
     "StopNotice",

@@ -55,12 +55,14 @@ from .requests import (
     GenerationRequest,
     Message,
     Outcome,
+    Segment,
     Stop,
     Submit,
     TokenEvent,
     Usage,
 )
 from .sampling import Guarded, SamplerPool, top_logprobs
+from .segments import split_prompt
 from .stops import StopMatcher
 from .warmup import (
     Readiness,
@@ -110,6 +112,7 @@ class _Live:
     cached: int = 0
     completion_tokens: int = 0
     uid: int | None = None
+    cuts: deque[Segment] = field(default_factory=deque)  # what the next prompt cuts store
     stop_hit: bool = False
     started: float = field(default_factory=time.monotonic)
 
@@ -152,6 +155,7 @@ class Engine:
             self.options.prompt_cache_size, self.options.prompt_cache_bytes
         )
         self.max_context = self.options.max_context
+        self._untrimmable = any(p.window is not None or p.kind == "state" for p in plan.layers)
         self._inbox: queue.Queue[Message] = queue.Queue()
         self._sinks: dict[int, EventSink] = {}  # submitted requests not yet accepted
         self._pending: deque[_Live] = deque()
@@ -389,8 +393,10 @@ class Engine:
         max_tokens = live.request.params.max_tokens
         if self.max_context is not None:
             max_tokens = min(max_tokens, self.max_context - len(prompt))
-        (uid,) = self._bg.insert(
-            [prompt[cached:]],
+        pieces, cuts = split_prompt(prompt, cached, self._checkpoints(live.request))
+        live.cuts = deque(cuts)
+        (uid,) = self._bg.insert_segments(
+            [pieces],
             max_tokens=[max_tokens],
             caches=[cache],
             all_tokens=[prompt[:cached]],
@@ -449,20 +455,26 @@ class Engine:
         live.sink(ErrorEvent(f"this request failed: {type(error).__name__}: {error}", 500))
         self.metrics.count_request(Outcome.ERROR)
 
-    def _snapshot_prompts(self, prompt_responses: list) -> None:
-        """Cache each prompt as soon as it is processed (all but its last token).
+    def _checkpoints(self, request: GenerationRequest) -> tuple:
+        """The request's checkpoints, when some cache of the plan cannot be
+        trimmed back (otherwise the longest entry serves every prefix)."""
+        return request.checkpoints if self._untrimmable else ()
 
-        The next turn of a conversation starts with this prompt, so this entry
-        is an exact prefix of it: reusable even by caches that cannot trim
-        (sliding windows that have wrapped), as in mlx-lm's segment caching.
-        """
+    def _snapshot_prompts(self, prompt_responses: list) -> None:
+        """Cache each prompt at its cuts as it is processed (`engine.segments`):
+        the system prompt, the prompt before its think tail, all but its last
+        token. Later prompts start with these exact prefixes, so the entries
+        are reusable even by caches that cannot trim (sliding windows that
+        have wrapped), as in mlx-lm's segment caching."""
         if self.prompt_cache.max_entries == 0:
             return
         done = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt]
         done = [uid for uid in done if uid in self._live]
         if done:
-            for cache, tokens in self._bg.extract_cache(done).values():
-                self.prompt_cache.insert(list(tokens), cache, self._cache_budget())
+            for uid, (cache, tokens) in self._bg.extract_cache(done).items():
+                cuts = self._live[uid].cuts
+                segment = cuts.popleft() if cuts else Segment.CONTEXT
+                self.prompt_cache.insert(list(tokens), cache, self._cache_budget(), segment)
 
     def _on_token(self, live: _Live, r: Any) -> bool:
         """Emit one token's event; True when the sequence is done."""
@@ -490,7 +502,7 @@ class Engine:
         if live.stop_hit:
             reason = FinishReason.STOP
         if cache is not None and tokens:
-            self.prompt_cache.insert(list(tokens), cache, self._cache_budget())
+            self.prompt_cache.insert(list(tokens), cache, self._cache_budget(), Segment.ANSWER)
         usage = Usage(len(live.request.prompt), live.completion_tokens, live.cached)
         live.sink(FinishEvent(reason, usage))
         self.metrics.count_request(Outcome.OK)

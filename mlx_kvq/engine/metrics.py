@@ -34,6 +34,7 @@ class MetricsSnapshot:
     prompt_cache_hits: int
     prompt_cache_misses: int
     prompt_cache_evictions: int
+    prompt_cache_by_segment: tuple[tuple[str, int, int], ...]  # (segment, entries, bytes)
     prompt_tokens: int
     generation_tokens: int
     cached_prompt_tokens: int
@@ -138,6 +139,7 @@ class EngineMetrics:
                 prompt_cache_hits=pc.hits,
                 prompt_cache_misses=pc.misses,
                 prompt_cache_evictions=pc.evictions,
+                prompt_cache_by_segment=pc.by_segment,
                 prompt_tokens=self.prompt_tokens,
                 generation_tokens=self.generation_tokens,
                 cached_prompt_tokens=self.cached_prompt_tokens,

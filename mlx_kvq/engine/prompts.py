@@ -17,14 +17,16 @@ def chat_tokens(
     messages: list[dict[str, Any]],
     template_args: dict[str, Any] | None = None,
     tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
-    """Token ids of `messages` rendered for generation (assistant turn opened)."""
+    """Token ids of `messages` rendered for generation (assistant turn opened,
+    unless `add_generation_prompt` is False)."""
     if getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None):
         kwargs = dict(template_args or {})
         if tools:
             kwargs["tools"] = tools
         ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **kwargs
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
         )
         if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
             ids = ids["input_ids"]

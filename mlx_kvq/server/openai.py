@@ -23,12 +23,14 @@ from mlx_kvq.engine import (
     TokenEvent,
 )
 from mlx_kvq.engine.prompts import chat_tokens, completion_tokens
+from mlx_kvq.engine.segments import chat_checkpoints
 
 from . import schemas
 from .body import BodyError, parse_body
 from .errors import APIError, error_body, validation_message
 from .settings import ServerSettings
 from .streams import SSE_DONE, Generation, event_stream, sse
+from .variants import VariantError, check_adapter, draft_tokens
 
 DEFAULT_MODEL_ALIAS = "default_model"  # what clients written for mlx_lm.server send
 
@@ -75,7 +77,18 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
                 param="model",
                 code="model_not_found",
             )
+        try:
+            check_adapter(parsed, settings)
+        except VariantError as e:
+            raise reject(400, e.message, param=e.param) from None
         return parsed
+
+    def drafting(body: Any) -> int:
+        """Tokens drafted per step for this request (0: no speculative decoding)."""
+        try:
+            return draft_tokens(body, settings)
+        except VariantError as e:
+            raise reject(400, e.message, param=e.param) from None
 
     def sampling(body: Any, logprobs: bool, top: int) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
@@ -120,7 +133,13 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
             raise reject(400, f"could not apply the chat template: {e}", param="messages") from e
         check_length(prompt)
         params = sampling(body, body.logprobs, body.top_logprobs or 0)
-        generation = Generation(engine, GenerationRequest(prompt, params))
+        checkpoints = chat_checkpoints(
+            engine.tokenizer, messages, prompt, template_args, body.tools
+        )
+        request = GenerationRequest(
+            prompt, params, checkpoints=checkpoints, draft_tokens=drafting(body)
+        )
+        generation = Generation(engine, request)
         await generation.start()
         cid, model = schemas.new_id("chatcmpl"), settings.model_id
 
@@ -173,8 +192,9 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
         prompt = completion_tokens(engine.tokenizer, prompt_input)
         check_length(prompt)
         want_logprobs = body.logprobs is not None
+        params = sampling(body, want_logprobs, body.logprobs or 0)
         generation = Generation(
-            engine, GenerationRequest(prompt, sampling(body, want_logprobs, body.logprobs or 0))
+            engine, GenerationRequest(prompt, params, draft_tokens=drafting(body))
         )
         await generation.start()
         cid, model = schemas.new_id("cmpl"), settings.model_id

@@ -57,6 +57,20 @@ class EngineCollector(Collector):
             yield _gauge(
                 "prompt_cache_max_bytes", "Prompt cache byte cap", s.prompt_cache_max_bytes
             )
+        entries = GaugeMetricFamily(
+            P + "prompt_cache_segment_entries",
+            "Prompt cache entries by what they hold (system prompt, prompt prefix, "
+            "prompt and answer; mlx-lm's names)",
+            labels=["segment"],
+        )
+        held = GaugeMetricFamily(
+            P + "prompt_cache_segment_bytes", "Prompt cache bytes by segment", labels=["segment"]
+        )
+        for segment, n, nbytes in s.prompt_cache_by_segment:
+            entries.add_metric([segment], float(n))
+            held.add_metric([segment], float(nbytes))
+        yield entries
+        yield held
         yield _counter(
             "prompt_cache_hits", "Requests that reused a cached prefix", s.prompt_cache_hits
         )

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mlx_kvq.engine.requests import TokenEvent, Usage
+from mlx_kvq.speculative import MAX_DRAFT_TOKENS
 
 MAX_STOP_STRINGS = 16
 INT64_MAX = 2**63 - 1
@@ -66,6 +67,10 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
+    # mlx_lm.server's model variants (see server/variants.py)
+    adapters: str | None = None
+    draft_model: str | None = None
+    num_draft_tokens: Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
