@@ -185,6 +185,8 @@ def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
         min_p=args.min_p,
         chat_template_args=dict(args.chat_template_args),
         adapter_path=source.adapter_path,
+        draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
         max_context=plan.get("max_context"),
         plan=plan,
         allowed_origins=tuple(args.allowed_origins),
@@ -213,8 +215,6 @@ def run(args: argparse.Namespace) -> int:
 
     kv = kv_config(args)
     check_numbers(args)
-    if args.draft_model:
-        raise ValueError("--draft-model: speculative decoding is not wired into serve yet")
     source = model_source(args)
     model, tokenizer = load_model(source, args)
     try:
@@ -224,11 +224,44 @@ def run(args: argparse.Namespace) -> int:
     except UnsupportedKVConfig as e:
         raise UnsupportedKVConfig(f"KV setting refused for {source.served_id}: {e}") from None
     log.info("KV plan for %s:\n%s", source.served_id, plan.table())
+    draft = load_draft(args, model, tokenizer, plan, kv)
     engine = Engine(
-        model, tokenizer, plan, kv, engine_options(args, plan.max_context, args.warmup_gate)
-    )
+        model, tokenizer, plan, kv, engine_options(args, plan.max_context, args.warmup_gate),
+        draft=draft,
+    )  # fmt: skip
     settings = server_settings(args, source, plan.to_dict())
     return serve_http(engine, settings, args.host, args.port, args.log_level, args.shutdown_timeout)
+
+
+def load_draft(args: argparse.Namespace, model, tokenizer, plan, kv):
+    """The draft model of `--draft-model`, loaded and planned like the model
+    (its KV caches quantized too), checked for speculative decoding; None
+    without the flag. A draft model that cannot serve is refused here (exit 2)."""
+    if not args.draft_model:
+        return None
+    from mlx_lm import load
+
+    from ..config import UnsupportedKVConfig
+    from ..engine import DraftModel
+    from ..plan import plan_kv
+    from ..speculative import check_speculation
+
+    try:
+        draft_model, draft_tokenizer = load(args.draft_model)
+    except Exception as e:  # noqa: BLE001 - any load failure is a bad --draft-model
+        raise ValueError(
+            f"could not load the draft model from {args.draft_model}: {type(e).__name__}: {e}"
+        ) from e
+    try:
+        draft_plan = plan_kv(draft_model, kv)
+        check_speculation(
+            model, draft_model, plan.make_cache(), draft_plan.make_cache(),
+            vocab=(tokenizer.vocab_size, draft_tokenizer.vocab_size),
+        )  # fmt: skip
+    except UnsupportedKVConfig as e:
+        raise UnsupportedKVConfig(f"--draft-model {args.draft_model} refused: {e}") from None
+    log.info("KV plan for the draft model %s:\n%s", args.draft_model, draft_plan.table())
+    return DraftModel(draft_model, draft_plan, args.draft_model, args.num_draft_tokens)
 
 
 def run_ranks(args: argparse.Namespace) -> int:

@@ -25,11 +25,13 @@ from .requests import (
     TokenEvent,
     Usage,
 )
+from .speculation import DraftModel
 from .warmup import Readiness, ReadinessState, Status, WarmupFailed, check_batch_path, warmup_spec
 
 __all__ = [
     "SHUTTING_DOWN",
     "Checkpoint",
+    "DraftModel",
     "Coordinator",
     "Engine",
     "EngineMetrics",

@@ -41,6 +41,9 @@ class MetricsSnapshot:
     prompt_tps: float
     generation_tps: float
     steps: int
+    draft_requests: dict[str, int] = field(default_factory=dict)  # served "speculative"/"batch"
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
 
     @property
     def kv_quantized_fraction(self) -> float:
@@ -66,6 +69,9 @@ class EngineMetrics:
     generation_tokens: int = 0
     cached_prompt_tokens: int = 0
     steps: int = 0
+    draft_requests: Counter = field(default_factory=Counter)
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
     # (time, prompt tokens, prompt seconds, generated tokens, decode seconds)
     _recent: deque = field(default_factory=deque)
 
@@ -84,6 +90,17 @@ class EngineMetrics:
             self.generation_tokens += gen_tokens
             self._recent.append((now, prompt_tokens, prompt_time, gen_tokens, decode_time))
             self._expire(now)
+
+    def count_draft_request(self, speculative: bool) -> None:
+        """A request asking for speculative decoding, by how it was served
+        (in the speculative lane, or in the batch while the lane was busy)."""
+        with self._lock:
+            self.draft_requests["speculative" if speculative else "batch"] += 1
+
+    def record_drafts(self, proposed: int, accepted: int) -> None:
+        with self._lock:
+            self.draft_tokens_proposed += proposed
+            self.draft_tokens_accepted += accepted
 
     def record_cached_tokens(self, n: int) -> None:
         with self._lock:
@@ -146,4 +163,7 @@ class EngineMetrics:
                 prompt_tps=ptps,
                 generation_tps=gtps,
                 steps=self.steps,
+                draft_requests=dict(self.draft_requests),
+                draft_tokens_proposed=self.draft_tokens_proposed,
+                draft_tokens_accepted=self.draft_tokens_accepted,
             )

@@ -110,6 +110,8 @@ class EngineCollector(Collector):
             "mlx_peak_memory_bytes", "MLX peak memory of this process", mx.get_peak_memory()
         )
         yield from _rank_families(self.engine.coordinator.ranks())
+        if self.engine.draft is not None:
+            yield from _draft_families(s)
 
 
 def _rank_families(ranks: list[RankView]):
@@ -134,6 +136,25 @@ def _rank_families(ranks: list[RankView]):
         for view in ranks:
             family.add_metric([str(view.rank)], float(getattr(view, field)))
         yield family
+
+
+def _draft_families(s):
+    """Speculative decoding (only with a draft model)."""
+    served = CounterMetricFamily(
+        P + "draft_requests",
+        "Requests asking for speculative decoding, by where they were decoded (the "
+        "speculative lane, or the batch while the lane served another request)",
+        labels=["served"],
+    )
+    for lane in ("speculative", "batch"):
+        served.add_metric([lane], float(s.draft_requests.get(lane, 0)))
+    yield served
+    yield _counter(
+        "draft_tokens_proposed", "Tokens the draft model proposed", s.draft_tokens_proposed
+    )
+    yield _counter(
+        "draft_tokens_accepted", "Proposed tokens the model accepted", s.draft_tokens_accepted
+    )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
