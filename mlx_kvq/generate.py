@@ -169,9 +169,10 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
         yield from mlx_generate.stream_generate(model, tokenizer, prompt, max_tokens, **kwargs)
         return
     model_cache, draft_cache = split_caches(model, prompt_cache)
-    model_cache = prepare_cache(model, model_cache, cfg) or mlx_cache.make_prompt_cache(model)
-    draft_cache = prepare_cache(draft_model, draft_cache, cfg) or mlx_cache.make_prompt_cache(
-        draft_model
+    # Without caches given, the plan's, even unquantized (raw storage): their windows rewind.
+    model_cache = prepare_cache(model, model_cache, cfg) or get_plan(model, cfg).make_cache()
+    draft_cache = (
+        prepare_cache(draft_model, draft_cache, cfg) or get_plan(draft_model, cfg).make_cache()
     )
     check_speculation(model, draft_model, model_cache, draft_cache)
     num_draft = kwargs.get("num_draft_tokens", DEFAULT_DRAFT_TOKENS)

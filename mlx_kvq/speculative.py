@@ -49,8 +49,9 @@ REWIND: dict[type, tuple[Rewind, str]] = {
     KVQWindowCache: (Rewind.RING, "sliding window"),
     mlx_cache.RotatingKVCache: (
         Rewind.NONE,
-        "an unquantized sliding window (mlx-lm's RotatingKVCache) overwrites the tokens a "
-        "rejected draft would need back; leave it out of --kv-skip-layers",
+        "mlx-lm's own sliding window (RotatingKVCache) overwrites the tokens a rejected draft "
+        "would need back; use mlx-kvq's caches for it (do not skip its slot with "
+        "--kv-skip-layers; mlx-kvq's windows rewind, quantized or not)",
     ),
     mlx_cache.ArraysCache: (
         Rewind.NONE,

@@ -4,15 +4,13 @@ The model is a scripted hybrid (gemma3_text, windows of 16 tokens, 4-bit
 KV caches); the draft model is the same script with one step changed, so it
 proposes the wrong token there: drafts are accepted and rejected, and the
 windows of both models wrap and rewind. Checked: the lane says the script
-(what the batch says), the warm-up ran the lane, a second draft request
-decodes in the batch while the lane is busy (a seeded one waits for the
-lane), cancelling frees the lane, the prompt cache reuses what the lane
-decoded, and every byte counts against the prompt-cache budget.
+(what the batch says), the warm-up ran the lane, another request moves the
+speculative sequence into the batch (while it decodes, or still prefills)
+where it goes on with the same text, seeded requests never speculate,
+cancelling frees the lane, the prompt cache reuses what the lane decoded, and every byte counts against the prompt-cache budget.
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 from kvq_testing.scripted import Reply, save_scripted_model
@@ -27,7 +25,6 @@ from mlx_kvq.engine import (
     FinishEvent,
     GenerationRequest,
     SamplingParams,
-    TokenEvent,
 )
 from mlx_kvq.engine.prompts import chat_tokens
 from mlx_kvq.plan import plan_kv
@@ -80,23 +77,9 @@ def prompt(tokenizer, text=FILLER + " Tell the story.", history=()):
     return chat_tokens(tokenizer, messages)
 
 
-class Timed(Collector):
-    """A collector that notes when the first token and the end arrived."""
-
-    first_token_at = end_at = None
-
-    def __call__(self, ev):
-        now = time.monotonic()
-        if self.first_token_at is None:
-            self.first_token_at = now
-        if not isinstance(ev, TokenEvent):
-            self.end_at = now
-        super().__call__(ev)
-
-
 def submit(engine, tokens, draft=K, **params):
     params.setdefault("max_tokens", 40)
-    c = Timed()
+    c = Collector()
     req = GenerationRequest(tokens, SamplingParams(**params), draft_tokens=draft)
     c.request_id = req.id
     engine.submit(req, c)
@@ -123,21 +106,45 @@ def test_lane_says_the_script_with_accepted_and_rejected_drafts(engine, models):
     assert 0 < s.draft_tokens_accepted < s.draft_tokens_proposed
 
 
-def test_busy_lane_sends_drafts_to_the_batch_and_seeded_ones_wait(engine, models):
+def test_another_request_moves_the_speculative_sequence_into_the_batch(engine, models):
     tokenizer = models[1]
-    tokens = prompt(tokenizer)
-    first = submit(engine, prompt(tokenizer, "The clock."), max_tokens=120)  # holds the lane
-    wait_until(lambda: engine._lane.busy, "the lane to start")
+    first = submit(engine, prompt(tokenizer, "The clock."), max_tokens=200)
+    wait_until(lambda: len(first.tokens) >= 8, "speculative decoding to start")
+    assert engine._lane.busy
     others = [submit(engine, prompt(tokenizer, f"{FILLER} story {i}")) for i in range(2)]
-    seeded = submit(engine, tokens, temperature=0.0, seed=7)
-    first.wait()
-    assert first.text == "ticktock" * 60 and first.end.reason.value == "length"
-    for c in [*others, seeded]:
+    seeded = submit(engine, prompt(tokenizer), temperature=0.0, seed=7)
+    for c in [first, *others, seeded]:
         c.wait()
-        assert isinstance(c.end, FinishEvent) and c.text == ANSWER, c.end
-    # the seeded request waited for the lane: it started after the first ended
-    assert seeded.first_token_at > first.end_at
-    assert engine.metrics.snapshot().draft_requests == {"speculative": 2, "batch": 2}
+        assert isinstance(c.end, FinishEvent), c.end
+    # greedy: the moved sequence goes on in the batch with the same text
+    assert first.text == "ticktock" * 100 and first.end.reason.value == "length"
+    assert all(c.text == ANSWER for c in [*others, seeded])
+    s = engine.metrics.snapshot()
+    # the others started in the batch (the engine was busy; the seeded one never speculates)
+    assert s.draft_requests == {"speculative": 1, "batch": 3}
+    assert s.draft_requests_moved == 1
+    assert not engine._lane.busy
+
+
+def test_a_sequence_still_prefilling_moves_too(models):
+    model, tokenizer, plan, kv, draft = models
+    eng = Engine(model, tokenizer, plan, kv,
+                 EngineOptions(prefill_step_size=32, max_context=plan.max_context),
+                 draft=draft)  # fmt: skip
+    eng.start()
+    try:
+        assert eng.readiness.ready_event.wait(WAIT_S) and eng.readiness.ready
+        tokens = prompt(tokenizer, FILLER * 10 + " Tell the story.")
+        first = submit(eng, tokens)
+        wait_until(lambda: eng._lane.busy, "speculative decoding to start")
+        second = submit(eng, prompt(tokenizer), draft=0)
+        for c in (first, second):
+            c.wait()
+            assert isinstance(c.end, FinishEvent) and c.text == ANSWER, c.end
+        s = eng.metrics.snapshot()
+        assert s.draft_requests_moved == 1 and s.draft_tokens_proposed == 0
+    finally:
+        eng.stop()
 
 
 def test_cancel_frees_the_lane_and_the_next_turn_reuses_the_lane_answer(engine, models):

@@ -131,3 +131,5 @@ def test_draft_models_that_cannot_serve_exit_2(paths, tmp_path, capsys):
     rc = main(["serve", "--model", str(model), "--draft-model", str(draft),
                "--num-draft-tokens", "0"])  # fmt: skip
     assert rc == 2 and "--num-draft-tokens must be in [1, 64]" in capsys.readouterr().err
+    rc = main(["serve", "--model", str(model), "--num-draft-tokens", "4"])
+    assert rc == 2 and "--num-draft-tokens needs --draft-model" in capsys.readouterr().err

@@ -93,13 +93,19 @@ def add_draft_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-draft-tokens",
         type=int,
-        default=DEFAULT_DRAFT_TOKENS,
-        help=f"tokens drafted per step (default: {DEFAULT_DRAFT_TOKENS})",
+        default=None,
+        help=f"tokens drafted per step, with --draft-model (default: {DEFAULT_DRAFT_TOKENS})",
     )
 
 
 def check_draft_tokens(args: argparse.Namespace) -> None:
-    """Refuse a draft length no request could use."""
+    """Refuse a draft length no request could use, or one without a draft
+    model (it would change nothing); fill in the default."""
+    if args.num_draft_tokens is None:
+        args.num_draft_tokens = DEFAULT_DRAFT_TOKENS
+        return
+    if not args.draft_model:
+        raise ValueError("--num-draft-tokens needs --draft-model (speculative decoding)")
     if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise ValueError(f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}]")
 

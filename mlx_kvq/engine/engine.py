@@ -9,8 +9,9 @@ mlx-lm's `BatchGenerator` with caches from the KV plan (quantized, full and
 sliding-window alike), steps the batch and pushes events back through each
 request's sink. Finished sequences leave their caches in the prompt cache;
 cancelled ones leave the batch at the next step, which frees their memory.
-With a draft model, one request at a time is decoded speculatively beside
-the batch (`speculation.SpeculativeLane`), a step of each in turn.
+With a draft model, a request that arrives while the engine serves nothing
+else is decoded speculatively (`speculation.SpeculativeLane`) until another
+request arrives; then it moves into the batch.
 
 Whatever one request carries (its sampler, its text) can only fail that
 request: the batch and the engine go on (see `sampling.Guarded`).
@@ -409,26 +410,33 @@ class Engine:
     def _admit(self) -> None:
         """Start queued requests, in order, while there is room.
 
-        A request asking for speculative decoding takes the lane when it is
-        free. When it is busy, an unseeded request joins the batch instead
-        (the same text for greedy decoding, a sample of the same distribution
-        otherwise), so no request waits for another one's speculation; a
-        seeded request waits for the lane, because the speculative loop
-        draws from its key chain in another order than the batch does.
+        Speculative decoding runs one sequence, so it pays only while that
+        sequence is all the engine does: a request asking for it gets the
+        lane when nothing else is running or waiting. Any other request then
+        moves the lane's sequence into the batch first (its cache and the
+        tokens so far go with it), so no request is slowed down by another
+        one's speculation. The batch says the same text for greedy decoding,
+        and a sample of the same distribution otherwise. Seeded requests
+        never speculate: the speculative loop draws from the key chain in
+        another order than the batch does, and a seed must give one text.
         """
         waiting: deque[_Live] = deque()
         while self._pending:
             live = self._pending.popleft()
-            speculate = self._lane is not None and live.request.draft_tokens > 0
+            speculate = (
+                self._lane is not None
+                and live.request.draft_tokens > 0
+                and live.request.params.seed is None
+            )
             try:
-                if speculate and not self._lane.busy:
+                if speculate and not (self._live or self._lane_busy or self._pending or waiting):
                     self._start_speculation(live)
                     self.metrics.count_draft_request(speculative=True)
-                elif speculate and live.request.params.seed is not None:
-                    waiting.append(live)
-                elif len(self._live) < self.options.decode_concurrency:
+                elif len(self._live) + self._lane_busy < self.options.decode_concurrency:
+                    if self._lane_busy:
+                        self._move_to_batch()
                     self._insert(live)
-                    if speculate:
+                    if live.request.draft_tokens > 0:
                         self.metrics.count_draft_request(speculative=False)
                 else:
                     waiting.append(live)
@@ -493,6 +501,32 @@ class Engine:
             checkpoints=self._checkpoints(live.request),
         )
 
+    def _move_to_batch(self) -> None:
+        """The lane's sequence goes on in the batch: its cache, its tokens so
+        far, what is left of its token limit (see `_admit`)."""
+        live = self._lane.owner
+        cache, held, rest = self._lane.take(live.completion_tokens, leave=1)
+        if live.completion_tokens:
+            pieces, cuts = [rest], []
+        else:  # still prefilling: the rest of the prompt, cut where the prompt cache keeps copies
+            pieces, cuts = split_prompt(held + rest, len(held), self._checkpoints(live.request))
+        live.cuts = deque(cuts)
+        (uid,) = self._bg.insert_segments(
+            [pieces],
+            max_tokens=[self._max_tokens(live.request) - live.completion_tokens],
+            caches=[cache],
+            all_tokens=[held],
+            samplers=[live.sampler],
+            stop_sequences=[self._eos],
+        )
+        live.uid = uid
+        self._live[uid] = live
+        self.metrics.count_draft_moved()
+        log.info(
+            "request %d moves from speculative decoding to the batch after %d tokens",
+            live.request.id, live.completion_tokens,
+        )  # fmt: skip
+
     def _lane_step(self) -> None:
         """One unit of the lane's work: a prefill chunk or one draft-and-verify cycle."""
         live = self._lane.owner
@@ -528,7 +562,7 @@ class Engine:
                 self._fail(live, live.sampler.take_error())
                 return
             if done:
-                cache, tokens = self._lane.take(live.completion_tokens)
+                cache, tokens, _ = self._lane.take(live.completion_tokens)
                 self._complete(live, FinishReason(reason or "stop"), cache, tokens)
                 return
 

@@ -42,6 +42,7 @@ class MetricsSnapshot:
     generation_tps: float
     steps: int
     draft_requests: dict[str, int] = field(default_factory=dict)  # served "speculative"/"batch"
+    draft_requests_moved: int = 0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
 
@@ -70,6 +71,7 @@ class EngineMetrics:
     cached_prompt_tokens: int = 0
     steps: int = 0
     draft_requests: Counter = field(default_factory=Counter)
+    draft_requests_moved: int = 0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     # (time, prompt tokens, prompt seconds, generated tokens, decode seconds)
@@ -92,10 +94,15 @@ class EngineMetrics:
             self._expire(now)
 
     def count_draft_request(self, speculative: bool) -> None:
-        """A request asking for speculative decoding, by how it was served
-        (in the speculative lane, or in the batch while the lane was busy)."""
+        """A request asking for speculative decoding, by how it started (in the
+        speculative lane, or in the batch because the engine was busy or it is seeded)."""
         with self._lock:
             self.draft_requests["speculative" if speculative else "batch"] += 1
+
+    def count_draft_moved(self) -> None:
+        """A speculative sequence moved into the batch (another request arrived)."""
+        with self._lock:
+            self.draft_requests_moved += 1
 
     def record_drafts(self, proposed: int, accepted: int) -> None:
         with self._lock:
@@ -164,6 +171,7 @@ class EngineMetrics:
                 generation_tps=gtps,
                 steps=self.steps,
                 draft_requests=dict(self.draft_requests),
+                draft_requests_moved=self.draft_requests_moved,
                 draft_tokens_proposed=self.draft_tokens_proposed,
                 draft_tokens_accepted=self.draft_tokens_accepted,
             )

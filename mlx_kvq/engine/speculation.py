@@ -5,10 +5,10 @@ the draft model proposes tokens, the model checks them in one forward pass,
 both caches are rewound past the rejected ones. The `SpeculativeLane` runs
 that loop for one request, on caches from the KV plans (quantized, windows
 made rewindable: `mlx_kvq.speculative`), one unit of work per engine step:
-a prefill chunk, then one draft-and-verify cycle per step. The engine steps
-the batch and the lane alternately, so the other requests keep decoding
-while a speculative one runs (see `Engine._admit` for which requests get
-the lane).
+a prefill chunk, then one draft-and-verify cycle per step. The engine runs the
+lane only while it serves nothing else: when another request arrives, the
+lane's sequence moves into the batch with its cache and goes on there (see
+`Engine._admit`), so speculation never slows another request down.
 
 The lane prefills the prompt itself, chunk by chunk, cut where the prompt
 cache keeps copies (`engine.segments`), so that a long prompt never holds
@@ -182,20 +182,21 @@ class SpeculativeLane:
                 break
         work.decode_time = time.perf_counter() - t0
 
-    def take(self, emitted: int) -> tuple[list, list[int]]:
-        """End the sequence after `emitted` generated tokens: the model's cache
-        (rewound to the tokens it holds, ready for the prompt cache) and those tokens."""
+    def take(self, emitted: int, leave: int = 0) -> tuple[list, list[int], list[int]]:
+        """Free the lane after `emitted` generated tokens: the model's cache,
+        rewound to hold all but at least `leave` of the sequence's tokens and
+        ready for the prompt cache or the batch; the tokens it holds; the rest."""
         if self._steps is not None:
             self._steps.close()  # mlx-lm's loop rewinds both caches on the way out
         tokens = self._prompt + self._generated[:emitted]
         held = next((c.offset for c in self._cache if isinstance(c.offset, int)), 0)
-        if held > len(tokens):  # tokens pulled past the end: rewind them too
+        if held > len(tokens) - leave:  # past the end (or the tokens to leave): rewind
             for c in self._cache:
-                c.trim(held - len(tokens))
-            held = len(tokens)
+                c.trim(held - (len(tokens) - leave))
+            held = len(tokens) - leave
         cache = end_speculation(self._cache)
         self.drop()
-        return cache, tokens[:held]
+        return cache, tokens[:held], tokens[held:]
 
     def drop(self) -> None:
         """Free the lane (the request finished, failed or was cancelled)."""

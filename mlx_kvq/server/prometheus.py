@@ -142,13 +142,18 @@ def _draft_families(s):
     """Speculative decoding (only with a draft model)."""
     served = CounterMetricFamily(
         P + "draft_requests",
-        "Requests asking for speculative decoding, by where they were decoded (the "
-        "speculative lane, or the batch while the lane served another request)",
+        "Requests asking for speculative decoding, by where they started (speculative "
+        "decoding while nothing else ran, or the batch: the engine was busy or a seed was set)",
         labels=["served"],
     )
     for lane in ("speculative", "batch"):
         served.add_metric([lane], float(s.draft_requests.get(lane, 0)))
     yield served
+    yield _counter(
+        "draft_requests_moved",
+        "Speculative sequences that moved into the batch when another request arrived",
+        s.draft_requests_moved,
+    )
     yield _counter(
         "draft_tokens_proposed", "Tokens the draft model proposed", s.draft_tokens_proposed
     )
