@@ -13,6 +13,7 @@ from .engine import SHUTTING_DOWN, Engine, EngineOptions
 from .metrics import EngineMetrics, MetricsSnapshot
 from .prompt_cache import PromptCache
 from .requests import (
+    Checkpoint,
     ErrorEvent,
     Event,
     FinishEvent,
@@ -21,13 +22,17 @@ from .requests import (
     Outcome,
     PromptProgress,
     SamplingParams,
+    Segment,
     TokenEvent,
     Usage,
 )
+from .speculation import DraftModel
 from .warmup import Readiness, ReadinessState, Status, WarmupFailed, check_batch_path, warmup_spec
 
 __all__ = [
     "SHUTTING_DOWN",
+    "Checkpoint",
+    "DraftModel",
     "Coordinator",
     "Engine",
     "EngineMetrics",
@@ -47,6 +52,7 @@ __all__ = [
     "Readiness",
     "ReadinessState",
     "SamplingParams",
+    "Segment",
     "Status",
     "StepCommands",
     "StopNotice",

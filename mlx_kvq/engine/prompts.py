@@ -28,8 +28,10 @@ def chat_tokens(
     template_args: dict[str, Any] | None = None,
     tools: list[dict] | None = None,
     role_mapping: dict[str, str] | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
-    """Token ids of `messages` rendered for generation (assistant turn opened).
+    """Token ids of `messages` rendered for generation (assistant turn opened,
+    unless `add_generation_prompt` is False).
 
     `messages` are changed in place (tool-call arguments decoded); a JSON
     string that is not valid JSON raises `ValueError`.
@@ -40,7 +42,7 @@ def chat_tokens(
         if tools:
             kwargs["tools"] = tools
         ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **kwargs
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
         )
         if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
             ids = ids["input_ids"]

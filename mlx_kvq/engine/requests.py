@@ -22,6 +22,23 @@ class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens, or the end of the context
 
 
+class Segment(str, Enum):
+    """What a prompt-cache entry holds, as mlx-lm's server names it; eviction
+    takes answers first, then context, then system prompts (mlx-lm's order)."""
+
+    SYSTEM = "system"  # the system prompt: a new conversation can start from it
+    CONTEXT = "user"  # a prefix of a prompt (before its think tail, or all but its last token)
+    ANSWER = "assistant"  # a prompt and the answer generated for it
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Store the prompt cache after the first `length` prompt tokens, as `segment`."""
+
+    length: int
+    segment: Segment
+
+
 class Outcome(str, Enum):
     """How a request ended, as counted in `/metrics` (`mlx_kvq_requests_total`)."""
 
@@ -78,9 +95,15 @@ class GenerationRequest:
     params: SamplingParams
     id: int = field(default_factory=lambda: next(_ids))
     progress: bool = False  # send `PromptProgress` events while the prompt is processed
+    # Where the prompt cache keeps a copy while the prompt is processed, besides
+    # all but the last token (see `engine.segments`).
+    checkpoints: tuple[Checkpoint, ...] = ()
+    # Tokens the draft model proposes per step (speculative decoding); 0: none.
+    draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", tuple(self.prompt))
+        object.__setattr__(self, "checkpoints", tuple(self.checkpoints))
 
 
 @dataclass(frozen=True)

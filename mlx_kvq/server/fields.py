@@ -74,9 +74,11 @@ COMMON = {
     "xtc_probability": FieldDoc(H, "mlx-lm extra: XTC sampling (with temperature above 0)"),
     "xtc_threshold": FieldDoc(H, "mlx-lm extra: 0 to 0.5 (default 0.1)"),
     "user": FieldDoc(IG, "an end-user id for a hosted service"),
-    "adapters": FieldDoc(R, "mlx-lm extra: LoRA adapters are not served yet (issue 12b)"),
-    "draft_model": FieldDoc(R, "mlx-lm extra: speculative decoding is not served yet (issue 12b)"),
-    "num_draft_tokens": FieldDoc(R, "mlx-lm extra: speculative decoding is not served yet"),
+    "adapters": FieldDoc(H, "mlx-lm extra: the loaded --adapter-path; any other adapter 400"),
+    "draft_model": FieldDoc(
+        H, "mlx-lm extra: the loaded --draft-model or default_model; null: no drafting; others 400"
+    ),
+    "num_draft_tokens": FieldDoc(H, "mlx-lm extra: tokens drafted per step; 0: no drafting"),
 }
 
 CHAT = {

@@ -36,6 +36,7 @@ from mlx_kvq.engine.prompts import (
     has_chat_template,
     template_variables,
 )
+from mlx_kvq.engine.segments import chat_checkpoints
 
 from . import schemas
 from .body import BodyError, parse_body
@@ -44,10 +45,10 @@ from .errors import APIError, error_body, validation_message
 from .settings import ServerSettings
 from .streams import IDLE, SSE_DONE, Generation, event_stream, keepalive, sse
 from .tools import ToolChoiceError, tool_policy, tools_refusal
+from .variants import DEFAULT_MODEL_ALIAS, VariantError, check_adapter, draft_tokens
 
 log = logging.getLogger("mlx_kvq.server")
 
-DEFAULT_MODEL_ALIAS = "default_model"  # what clients written for mlx_lm.server send
 # OpenAI fields a chat template may read as variables (gpt-oss's reads reasoning_effort)
 TEMPLATE_FIELDS = ("reasoning_effort", "verbosity")
 
@@ -108,7 +109,18 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
                 param="model",
                 code="model_not_found",
             )
+        try:
+            check_adapter(parsed, settings)
+        except VariantError as e:
+            raise reject(400, e.message, param=e.param) from None
         return parsed
+
+    def drafting(body: Any) -> int:
+        """Tokens drafted per step for this request (0: no speculative decoding)."""
+        try:
+            return draft_tokens(body, settings)
+        except VariantError as e:
+            raise reject(400, e.message, param=e.param) from None
 
     def sampling(body: Any, logprobs: bool, top: int, grammar: str | None = None) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
@@ -218,7 +230,12 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
         grammar = await grammar_of(body.response_format, prompt)
         want_logprobs = body.want_logprobs
         params = sampling(body, want_logprobs, max(body.top_logprobs or 0, 0), grammar)
-        generation = Generation(engine, GenerationRequest(prompt, params, progress=body.stream))
+        checkpoints = chat_checkpoints(engine.tokenizer, messages, prompt, args, tools)
+        job = GenerationRequest(
+            prompt, params, progress=body.stream, checkpoints=checkpoints,
+            draft_tokens=drafting(body),
+        )  # fmt: skip
+        generation = Generation(engine, job)
         await generation.start()
         cid, model = schemas.new_id("chatcmpl"), settings.model_id
         output = splitter.start(prompt, policy.parse, body.template_tools, body.stream)
@@ -275,7 +292,8 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
         check_length(prompt)
         want_logprobs = body.want_logprobs
         params = sampling(body, want_logprobs, body.top_count)
-        generation = Generation(engine, GenerationRequest(prompt, params, progress=body.stream))
+        job = GenerationRequest(prompt, params, progress=body.stream, draft_tokens=drafting(body))
+        generation = Generation(engine, job)
         await generation.start()
         cid, model = schemas.new_id("cmpl"), settings.model_id
 

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mlx_kvq.engine.requests import TokenEvent, Usage
+from mlx_kvq.speculative import MAX_DRAFT_TOKENS
 
 MAX_STOP_STRINGS = 16
 INT64_MAX = 2**63 - 1
@@ -95,10 +96,10 @@ class _Request(BaseModel):
     xtc_probability: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     xtc_threshold: Annotated[float, Field(ge=0.0, le=0.5)] | None = None
     user: str | None = None
-    # mlx_lm.server's model selection beyond `model` (issue 12b): refused until served
-    adapters: Any = None
-    draft_model: Any = None
-    num_draft_tokens: Any = None
+    # mlx_lm.server's model variants (see server/variants.py)
+    adapters: str | None = None
+    draft_model: str | None = None
+    num_draft_tokens: Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
 
     @property
     def token_limit(self) -> int | None:
@@ -145,13 +146,6 @@ class _Request(BaseModel):
             if not key.isascii() or not key.isdigit() or len(key) > 18:
                 raise ValueError(f"logit_bias keys must be token ids, not {key[:40]!r}")
         return value
-
-    @field_validator("adapters", "draft_model", "num_draft_tokens")
-    @classmethod
-    def _not_yet(cls, value: Any, info: ValidationInfo):
-        return refuse_unless(
-            value, (), f"{info.field_name} is not supported by this server yet (issue 12b)"
-        )
 
 
 class TextPart(BaseModel):
