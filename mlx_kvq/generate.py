@@ -26,7 +26,12 @@ from mlx_lm.models import cache as mlx_cache
 
 from .config import KVConfig, UnsupportedKVConfig
 from .plan import KV_KINDS, KVPlan, plan_kv, twin_slot
-from .speculative import check_speculative_caches, split_caches
+from .speculative import (
+    DEFAULT_DRAFT_TOKENS,
+    check_speculation,
+    prepare_for_speculation,
+    split_caches,
+)
 
 # `mlx_lm.generate` the attribute is a function; the module is what we need.
 mlx_generate = importlib.import_module("mlx_lm.generate")
@@ -149,7 +154,8 @@ def generate_step(
 
 def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model=None, **kwargs):
     """mlx-lm's `stream_generate`, with every KV layer quantized (the draft
-    model's too, under speculative decoding)."""
+    model's too, under speculative decoding, with windows made rewindable:
+    see `mlx_kvq.speculative`)."""
     cfg = kv_config_from_kwargs(kwargs)
     prompt_cache = kwargs.pop("prompt_cache", None)
     if draft_model is None:
@@ -157,11 +163,15 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
         yield from mlx_generate.stream_generate(model, tokenizer, prompt, max_tokens, **kwargs)
         return
     model_cache, draft_cache = split_caches(model, prompt_cache)
-    model_cache = prepare_cache(model, model_cache, cfg) or mlx_cache.make_prompt_cache(model)
-    draft_cache = prepare_cache(draft_model, draft_cache, cfg) or mlx_cache.make_prompt_cache(
-        draft_model
+    # Without caches given, the plan's, even unquantized (raw storage): their windows rewind.
+    model_cache = prepare_cache(model, model_cache, cfg) or get_plan(model, cfg).make_cache()
+    draft_cache = (
+        prepare_cache(draft_model, draft_cache, cfg) or get_plan(draft_model, cfg).make_cache()
     )
-    check_speculative_caches(model, draft_model, model_cache, draft_cache)
+    check_speculation(model, draft_model, model_cache, draft_cache)
+    num_draft = kwargs.get("num_draft_tokens", DEFAULT_DRAFT_TOKENS)
+    prepare_for_speculation(model_cache, num_draft)
+    prepare_for_speculation(draft_cache, num_draft)
     kwargs["prompt_cache"] = list(model_cache) + list(draft_cache)
     yield from mlx_generate.stream_generate(
         model, tokenizer, prompt, max_tokens, draft_model=draft_model, **kwargs

@@ -14,6 +14,7 @@ import re
 
 from ..config import ROTATIONS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVConfig
 from ..defaults import resolve_widths
+from ..speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -69,6 +70,44 @@ def add_model_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="model directory or repo (default: the embedded demo model)"
     )
+
+
+def add_adapter_flag(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's `--adapter-path`: LoRA/DoRA/full fine-tune weights applied at load."""
+    parser.add_argument(
+        "--adapter-path",
+        default=None,
+        help="directory with adapter_config.json and adapters.safetensors (as written by "
+        "mlx_lm.lora), applied to the model before the KV plan and the warm-up",
+    )
+
+
+def add_draft_flags(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's speculative decoding flags."""
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="a smaller model with the same tokenizer that drafts tokens for speculative "
+        "decoding; its KV caches are quantized like the model's",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help=f"tokens drafted per step, with --draft-model (default: {DEFAULT_DRAFT_TOKENS})",
+    )
+
+
+def check_draft_tokens(args: argparse.Namespace) -> None:
+    """Refuse a draft length no request could use, or one without a draft
+    model (it would change nothing); fill in the default."""
+    if args.num_draft_tokens is None:
+        args.num_draft_tokens = DEFAULT_DRAFT_TOKENS
+        return
+    if not args.draft_model:
+        raise ValueError("--num-draft-tokens needs --draft-model (speculative decoding)")
+    if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}]")
 
 
 def add_kv_flags(parser: argparse.ArgumentParser) -> None:

@@ -13,20 +13,26 @@ from .engine import SHUTTING_DOWN, Engine, EngineOptions
 from .metrics import EngineMetrics, MetricsSnapshot
 from .prompt_cache import PromptCache
 from .requests import (
+    Checkpoint,
     ErrorEvent,
     Event,
     FinishEvent,
     FinishReason,
     GenerationRequest,
     Outcome,
+    PromptProgress,
     SamplingParams,
+    Segment,
     TokenEvent,
     Usage,
 )
+from .speculation import DraftModel
 from .warmup import Readiness, ReadinessState, Status, WarmupFailed, check_batch_path, warmup_spec
 
 __all__ = [
     "SHUTTING_DOWN",
+    "Checkpoint",
+    "DraftModel",
     "Coordinator",
     "Engine",
     "EngineMetrics",
@@ -40,11 +46,13 @@ __all__ = [
     "MetricsSnapshot",
     "Outcome",
     "PromptCache",
+    "PromptProgress",
     "RankStatus",
     "RankView",
     "Readiness",
     "ReadinessState",
     "SamplingParams",
+    "Segment",
     "Status",
     "StepCommands",
     "StopNotice",

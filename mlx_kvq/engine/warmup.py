@@ -149,6 +149,34 @@ def verify_warmup(
     }
 
 
+def verify_speculation(
+    kv: KVConfig,
+    target_report: list[dict],
+    draft_report: list[dict],
+    windows: list[tuple[int, int]],
+    num_draft_tokens: int,
+) -> dict[str, Any]:
+    """Check the speculative warm-up: both models' KV caches quantized as
+    configured, every window within its size plus one rewindable step
+    (`windows`: (slots held, window size) per window cache)."""
+    target, draft = summarize(target_report), summarize(draft_report)
+    problems = []
+    if kv.enabled and not kv.allow_partial:
+        for where, kinds in (("model", target), ("draft model", draft)):
+            for kind, s in kinds.items():
+                if kind in KV_KINDS and s["quantized"] < s["slots"]:
+                    problems.append(
+                        f"{s['slots'] - s['quantized']} of {s['slots']} {kind} caches of the "
+                        f"{where} were not quantized"
+                    )
+    for held, size in windows:
+        if held > size + num_draft_tokens + 1:
+            problems.append(f"a window of {size} held {held} slots")
+    if problems:
+        raise WarmupFailed("speculative warm-up: " + "; ".join(problems))
+    return {"model": target, "draft": draft}
+
+
 def check_batch_path(
     make_cache: Callable[[], list],
     kv: KVConfig,

@@ -40,16 +40,23 @@ def probes_router(engine: Engine, settings: ServerSettings) -> APIRouter:
             return JSONResponse(body, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
         if state.status is Status.FAILED:
             return JSONResponse({"status": state.status.value, "reason": state.reason}, 503)
-        return JSONResponse(
-            {
-                "status": "ok",
-                "model": settings.model_id,
-                "plan": plan_health(settings.plan),
-                "warmup": state.report,
-                "blas": blas_info().to_dict(),
-                "native_kernels": native_status().summary(),
+        body = {
+            "status": "ok",
+            "model": settings.model_id,
+            "plan": plan_health(settings.plan),
+            "warmup": state.report,
+            "blas": blas_info().to_dict(),
+            "native_kernels": native_status().summary(),
+        }
+        if settings.adapter_path is not None:
+            body["adapter_path"] = settings.adapter_path
+        if engine.draft is not None:
+            body["draft_model"] = {
+                "model": engine.draft.name,
+                "num_draft_tokens": engine.draft.num_draft_tokens,
+                "plan": engine.draft.plan.summary(),
             }
-        )
+        return JSONResponse(body)
 
     @router.get("/metrics")
     async def metrics() -> Response:
