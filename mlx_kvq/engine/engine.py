@@ -487,7 +487,9 @@ class Engine:
             max_tokens = min(max_tokens, self.max_context - len(request.prompt))
         return max_tokens
 
-    def _insert(self, live: _Live) -> None:
+    def _prepare(self, live: _Live) -> tuple[list[int], list, int]:
+        """The request's prompt, sampler, and the prompt cache's best cache for
+        it (a fresh one when none matches) with how many tokens it holds."""
         prompt = list(live.request.prompt)
         live.sampler = self._samplers.get(live.request.params)
         cache, cached = self.prompt_cache.fetch(prompt)
@@ -495,6 +497,10 @@ class Engine:
             cache, cached = self.plan.make_cache(), 0
         live.cached = cached
         self.metrics.record_cached_tokens(cached)
+        return prompt, cache, cached
+
+    def _insert(self, live: _Live) -> None:
+        prompt, cache, cached = self._prepare(live)
         max_tokens = self._max_tokens(live.request)
         pieces, cuts = split_prompt(prompt, cached, self._checkpoints(live.request))
         live.cuts = deque(cuts)
@@ -517,13 +523,7 @@ class Engine:
 
     def _start_speculation(self, live: _Live) -> None:
         """Give the lane to `live`, with the prompt cache's best cache for its prompt."""
-        prompt = list(live.request.prompt)
-        live.sampler = self._samplers.get(live.request.params)
-        cache, cached = self.prompt_cache.fetch(prompt)
-        if cache is None:
-            cache, cached = self.plan.make_cache(), 0
-        live.cached = cached
-        self.metrics.record_cached_tokens(cached)
+        prompt, cache, cached = self._prepare(live)
         self._lane.start(
             live,
             prompt,

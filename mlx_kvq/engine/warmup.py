@@ -129,14 +129,7 @@ def verify_warmup(
     seen = sum(k["slots"] for kind, k in batch.items() if kind in KV_KINDS)
     if kv_slots is not None and seen != kv_slots:
         problems.append(f"the batch held {seen} KV caches, the plan has {kv_slots}")
-    if kv.enabled and not kv.allow_partial:
-        for where, kinds in (("batch", batch), ("extracted", extracted)):
-            for kind, s in kinds.items():
-                if kind in KV_KINDS and s["quantized"] < s["slots"]:
-                    problems.append(
-                        f"{s['slots'] - s['quantized']} of {s['slots']} {kind} caches "
-                        f"were not quantized ({where})"
-                    )
+    problems += unquantized(kv, {"batch": batch, "extracted": extracted})
     if problems:
         raise WarmupFailed(
             "warm-up did not exercise the configured KV layout: " + "; ".join(problems)
@@ -147,6 +140,19 @@ def verify_warmup(
         "batch": batch,
         "extracted": extracted,
     }
+
+
+def unquantized(kv: KVConfig, summaries: dict[str, dict]) -> list[str]:
+    """Problems: KV caches left unquantized where the setting quantizes all
+    (`summaries`: where -> `summarize` of a cache report)."""
+    if not kv.enabled or kv.allow_partial:
+        return []
+    return [
+        f"{s['slots'] - s['quantized']} of {s['slots']} {kind} caches were not quantized ({where})"
+        for where, kinds in summaries.items()
+        for kind, s in kinds.items()
+        if kind in KV_KINDS and s["quantized"] < s["slots"]
+    ]
 
 
 def verify_speculation(
@@ -161,14 +167,7 @@ def verify_speculation(
     (`windows`: (slots held, window size) per window cache)."""
     target, draft = summarize(target_report), summarize(draft_report)
     problems = []
-    if kv.enabled and not kv.allow_partial:
-        for where, kinds in (("model", target), ("draft model", draft)):
-            for kind, s in kinds.items():
-                if kind in KV_KINDS and s["quantized"] < s["slots"]:
-                    problems.append(
-                        f"{s['slots'] - s['quantized']} of {s['slots']} {kind} caches of the "
-                        f"{where} were not quantized"
-                    )
+    problems += unquantized(kv, {"model": target, "draft model": draft})
     for held, size in windows:
         if held > size + num_draft_tokens + 1:
             problems.append(f"a window of {size} held {held} slots")
