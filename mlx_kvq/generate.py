@@ -69,6 +69,7 @@ def make_prompt_cache(
     kv_rotation: str = "none",
     allow_partial_kv: bool = False,
     kv_skip_layers: tuple[int, ...] | None = None,
+    kv_window_bits: int | None = None,
 ) -> list[Any]:
     """One cache per cache slot of the model (same length and order as
     mlx-lm's), every KV layer quantized as planned.
@@ -79,7 +80,7 @@ def make_prompt_cache(
     """
     cfg = KVConfig.from_args(
         kv_bits, kv_group_size, kv_key_bits, kv_value_bits, kv_rotation,
-        quantized_kv_start, max_kv_size, allow_partial_kv, kv_skip_layers,
+        quantized_kv_start, max_kv_size, allow_partial_kv, kv_skip_layers, kv_window_bits,
     )  # fmt: skip
     if not cfg.enabled:
         return mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
@@ -135,11 +136,12 @@ def generate_step(
     kv_key_bits: int | None = None,
     kv_value_bits: int | None = None,
     kv_rotation: str = "none",
+    kv_window_bits: int | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """mlx-lm's `generate_step`, with every KV layer quantized."""
     cfg = KVConfig.from_args(
         kv_bits, kv_group_size, kv_key_bits, kv_value_bits, kv_rotation,
-        quantized_kv_start, max_kv_size,
+        quantized_kv_start, max_kv_size, kv_window_bits=kv_window_bits,
     )  # fmt: skip
     prompt_cache = prepare_cache(model, prompt_cache, cfg)
     yield from mlx_generate.generate_step(
@@ -209,13 +211,11 @@ def save_prompt_cache(file_name: str, cache: list, metadata: dict[str, str] | No
 
 
 def _cache_settings(cache: list) -> str:
+    """Each layout's settings once, in layer order ("sliding K 8b/g64 V 8b/g64; full ...")."""
     from .caches import KVQCache, leaves
 
-    for c in cache:
-        for leaf in leaves(c):
-            if isinstance(leaf, KVQCache):
-                return leaf.describe().split(" ", 1)[1]
-    return "unquantized"
+    found = [leaf for c in cache for leaf in leaves(c) if isinstance(leaf, KVQCache)]
+    return "; ".join(dict.fromkeys(leaf.describe() for leaf in found)) or "unquantized"
 
 
 def load_prompt_cache(
@@ -271,7 +271,7 @@ def check_prompt_cache_settings(
             kind = lookup(leaf)
             if isinstance(leaf, KVQCache):
                 got = (leaf.key_spec, leaf.value_spec)
-                want = (expect.key_spec, expect.value_spec)
+                want = expect.specs(bounded=leaf.bounded)
                 if got != want:
                     raise UnsupportedKVConfig(
                         f"{source}: layer {i} was stored as {leaf.describe()}, but "

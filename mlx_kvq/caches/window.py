@@ -27,6 +27,7 @@ from .batch import BatchKVQCache, merge_stores
 
 class KVQWindowCache(KVQCache):
     kind = "sliding"
+    bounded = True
     rewind = 0  # evicted tokens kept for `trim` (see `set_rewind`)
     _evicted: tuple[Store, Store] | None = None  # (keys, values), oldest first
 
@@ -277,6 +278,7 @@ class KVQBatchWindowCache(BatchKVQCache):
     """Left-padded batch of sliding-window rings; bounded by `max_size` slots."""
 
     kind = "sliding"
+    bounded = True
 
     def __init__(
         self,

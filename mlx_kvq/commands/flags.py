@@ -116,7 +116,8 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
     With none of `--kv-bits`, `--kv-key-bits`, `--kv-value-bits`, the default
     setting of `mlx_kvq/defaults.py` applies; 0 for any of them means
     unquantized (`--kv-bits 0`: no quantization at all; `--kv-key-bits 0
-    --kv-value-bits 4`: keys in full precision, values at 4 bits).
+    --kv-value-bits 4`: keys in full precision, values at 4 bits;
+    `--kv-window-bits 0`: bounded layers in full precision).
     """
     g = parser.add_argument_group("KV cache")
     g.add_argument(
@@ -124,7 +125,8 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
         type=_bits,
         default=None,
         help="bits for keys and values (2,3,4,5,6,8; 0: unquantized); "
-        "default: mlx_kvq/defaults.py (4-bit keys, 3-bit values, rotation)",
+        "default: mlx_kvq/defaults.py (4-bit keys, 3-bit values, rotation, 8-bit "
+        "bounded layers)",
     )
     g.add_argument(
         "--kv-group-size",
@@ -152,6 +154,14 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
         "with explicit bits, as in mlx-lm; the default setting's without)",
     )
     g.add_argument(
+        "--kv-window-bits",
+        type=_bits,
+        default=None,
+        help="bits for keys and values of bounded layers (sliding window, chunked, "
+        "--max-kv-size; 0: unquantized); default: as the other layers (with no bits "
+        "flag: the default setting's, 8)",
+    )
+    g.add_argument(
         "--quantized-kv-start",
         type=int,
         default=0,
@@ -175,14 +185,16 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
 
 def kv_config(args: argparse.Namespace) -> KVConfig:
     """The KV setting the KV flags ask for (raises ValueError for a bad one)."""
-    bits, key_bits, value_bits, rotation = resolve_widths(
-        args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation
-    )
+    w = resolve_widths(
+        args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation,
+        args.kv_window_bits,
+    )  # fmt: skip
     return KVConfig.from_args(
-        kv_bits=bits, kv_group_size=args.kv_group_size, kv_key_bits=key_bits,
-        kv_value_bits=value_bits, kv_rotation=rotation,
+        kv_bits=w.bits, kv_group_size=args.kv_group_size, kv_key_bits=w.key_bits,
+        kv_value_bits=w.value_bits, kv_rotation=w.rotation,
         quantized_kv_start=args.quantized_kv_start, max_kv_size=args.max_kv_size,
         allow_partial_kv=args.allow_partial_kv, kv_skip_layers=args.kv_skip_layers,
+        kv_window_bits=w.window_bits,
     )  # fmt: skip
 
 

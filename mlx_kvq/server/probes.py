@@ -80,6 +80,7 @@ def plan_health(plan: dict[str, Any]) -> dict[str, Any]:
     out["bits"] = {
         "keys": kv.get("key_bits") if kv.get("key_bits") is not None else kv.get("bits"),
         "values": kv.get("value_bits") if kv.get("value_bits") is not None else kv.get("bits"),
+        "windows": kv.get("window_bits"),  # bounded layers' width (None: as keys/values)
         "group_size": kv.get("group_size"),
         "rotation": kv.get("rotation"),
         "quantized_kv_start": kv.get("quantized_start"),
