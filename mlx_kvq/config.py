@@ -92,6 +92,11 @@ class KVConfig:
 
     `bits` is `--kv-bits`; `key_bits`/`value_bits` override it per tensor
     (None: take `bits`; 0: that tensor unquantized).
+    `window_bits` (`--kv-window-bits`) gives keys and values of *bounded*
+    layers (sliding windows, chunked attention, full attention bounded by
+    `--max-kv-size`) their own width: their bytes stop growing with the
+    context, so extra precision there costs a fixed amount. None: the same
+    widths as every other layer; 0: bounded layers unquantized.
     `quantized_start` is `--quantized-kv-start`: caches hold full precision
     until they reach that many tokens, then convert in place.
     """
@@ -105,11 +110,24 @@ class KVConfig:
     max_kv_size: int | None = None
     allow_partial: bool = False
     skip_layers: tuple[int, ...] = field(default_factory=tuple)
+    window_bits: int | None = None
 
     def __post_init__(self) -> None:
         # Building the specs validates bits, group size and rotation.
         self.key_spec  # noqa: B018
         self.value_spec  # noqa: B018
+        if self.window_bits is not None:
+            QuantSpec(self.window_bits or None, self.group_size)
+            if not self.enabled:
+                raise ValueError(
+                    "--kv-window-bits sets the width of bounded layers of a quantized cache: "
+                    "give --kv-bits (or --kv-key-bits / --kv-value-bits) too"
+                )
+            if self.window_bits == 0 and not self.allow_partial:
+                raise ValueError(
+                    "--kv-window-bits 0 leaves bounded layers unquantized: pass "
+                    "--allow-partial-kv together with it"
+                )
         if self.quantized_start < 0:
             raise ValueError(f"quantized kv start must be >= 0, got {self.quantized_start}")
         if self.max_kv_size is not None and self.max_kv_size < 1:
@@ -135,6 +153,15 @@ class KVConfig:
     def enabled(self) -> bool:
         return self.key_spec.quantized or self.value_spec.quantized
 
+    def specs(self, bounded: bool = False) -> tuple[QuantSpec, QuantSpec]:
+        """(key spec, value spec) of one layer: `bounded` layers (a window of
+        tokens: sliding, chunked, `--max-kv-size`) take `window_bits` when set."""
+        if not bounded or self.window_bits is None:
+            return self.key_spec, self.value_spec
+        bits = self.window_bits
+        spec = QuantSpec(bits or None, self.group_size, self.rotation if bits else "none")
+        return spec, spec
+
     def with_(self, **changes) -> KVConfig:
         return replace(self, **changes)
 
@@ -143,6 +170,8 @@ class KVConfig:
             return "unquantized (fp16)"
         k, v = self.key_spec, self.value_spec
         text = f"K {k.describe()} V {v.describe()}"
+        if self.window_bits is not None:
+            text += f", windows {self.specs(bounded=True)[0].describe()}"
         if self.quantized_start:
             text += f", from token {self.quantized_start}"
         return text
@@ -155,7 +184,7 @@ class KVConfig:
             "kv_key_bits": self.key_bits, "kv_value_bits": self.value_bits,
             "kv_rotation": self.rotation, "quantized_kv_start": self.quantized_start,
             "max_kv_size": self.max_kv_size, "allow_partial_kv": self.allow_partial,
-            "kv_skip_layers": self.skip_layers,
+            "kv_skip_layers": self.skip_layers, "kv_window_bits": self.window_bits,
         }  # fmt: skip
 
     @classmethod
@@ -170,6 +199,7 @@ class KVConfig:
         max_kv_size: int | None = None,
         allow_partial_kv: bool = False,
         kv_skip_layers: tuple[int, ...] | list[int] | None = None,
+        kv_window_bits: int | None = None,
     ) -> KVConfig:
         """Build from mlx-lm style keyword names (the CLI flag names)."""
         return cls(
@@ -182,4 +212,5 @@ class KVConfig:
             max_kv_size=max_kv_size,
             allow_partial=allow_partial_kv,
             skip_layers=tuple(kv_skip_layers or ()),
+            window_bits=kv_window_bits,
         )

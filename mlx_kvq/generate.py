@@ -26,7 +26,12 @@ from mlx_lm.models import cache as mlx_cache
 
 from .config import KVConfig, UnsupportedKVConfig
 from .plan import KV_KINDS, KVPlan, plan_kv, twin_slot
-from .speculative import check_speculative_caches, split_caches
+from .speculative import (
+    DEFAULT_DRAFT_TOKENS,
+    check_speculation,
+    prepare_for_speculation,
+    split_caches,
+)
 
 # `mlx_lm.generate` the attribute is a function; the module is what we need.
 mlx_generate = importlib.import_module("mlx_lm.generate")
@@ -64,6 +69,7 @@ def make_prompt_cache(
     kv_rotation: str = "none",
     allow_partial_kv: bool = False,
     kv_skip_layers: tuple[int, ...] | None = None,
+    kv_window_bits: int | None = None,
 ) -> list[Any]:
     """One cache per cache slot of the model (same length and order as
     mlx-lm's), every KV layer quantized as planned.
@@ -74,7 +80,7 @@ def make_prompt_cache(
     """
     cfg = KVConfig.from_args(
         kv_bits, kv_group_size, kv_key_bits, kv_value_bits, kv_rotation,
-        quantized_kv_start, max_kv_size, allow_partial_kv, kv_skip_layers,
+        quantized_kv_start, max_kv_size, allow_partial_kv, kv_skip_layers, kv_window_bits,
     )  # fmt: skip
     if not cfg.enabled:
         return mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
@@ -130,11 +136,12 @@ def generate_step(
     kv_key_bits: int | None = None,
     kv_value_bits: int | None = None,
     kv_rotation: str = "none",
+    kv_window_bits: int | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """mlx-lm's `generate_step`, with every KV layer quantized."""
     cfg = KVConfig.from_args(
         kv_bits, kv_group_size, kv_key_bits, kv_value_bits, kv_rotation,
-        quantized_kv_start, max_kv_size,
+        quantized_kv_start, max_kv_size, kv_window_bits=kv_window_bits,
     )  # fmt: skip
     prompt_cache = prepare_cache(model, prompt_cache, cfg)
     yield from mlx_generate.generate_step(
@@ -147,7 +154,8 @@ def generate_step(
 
 def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model=None, **kwargs):
     """mlx-lm's `stream_generate`, with every KV layer quantized (the draft
-    model's too, under speculative decoding)."""
+    model's too, under speculative decoding, with windows made rewindable:
+    see `mlx_kvq.speculative`)."""
     cfg = kv_config_from_kwargs(kwargs)
     prompt_cache = kwargs.pop("prompt_cache", None)
     if draft_model is None:
@@ -155,11 +163,15 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
         yield from mlx_generate.stream_generate(model, tokenizer, prompt, max_tokens, **kwargs)
         return
     model_cache, draft_cache = split_caches(model, prompt_cache)
-    model_cache = prepare_cache(model, model_cache, cfg) or mlx_cache.make_prompt_cache(model)
-    draft_cache = prepare_cache(draft_model, draft_cache, cfg) or mlx_cache.make_prompt_cache(
-        draft_model
+    # Without caches given, the plan's, even unquantized (raw storage): their windows rewind.
+    model_cache = prepare_cache(model, model_cache, cfg) or get_plan(model, cfg).make_cache()
+    draft_cache = (
+        prepare_cache(draft_model, draft_cache, cfg) or get_plan(draft_model, cfg).make_cache()
     )
-    check_speculative_caches(model, draft_model, model_cache, draft_cache)
+    check_speculation(model, draft_model, model_cache, draft_cache)
+    num_draft = kwargs.get("num_draft_tokens", DEFAULT_DRAFT_TOKENS)
+    prepare_for_speculation(model_cache, num_draft)
+    prepare_for_speculation(draft_cache, num_draft)
     kwargs["prompt_cache"] = list(model_cache) + list(draft_cache)
     yield from mlx_generate.stream_generate(
         model, tokenizer, prompt, max_tokens, draft_model=draft_model, **kwargs
@@ -199,13 +211,11 @@ def save_prompt_cache(file_name: str, cache: list, metadata: dict[str, str] | No
 
 
 def _cache_settings(cache: list) -> str:
+    """Each layout's settings once, in layer order ("sliding K 8b/g64 V 8b/g64; full ...")."""
     from .caches import KVQCache, leaves
 
-    for c in cache:
-        for leaf in leaves(c):
-            if isinstance(leaf, KVQCache):
-                return leaf.describe().split(" ", 1)[1]
-    return "unquantized"
+    found = [leaf for c in cache for leaf in leaves(c) if isinstance(leaf, KVQCache)]
+    return "; ".join(dict.fromkeys(leaf.describe() for leaf in found)) or "unquantized"
 
 
 def load_prompt_cache(
@@ -261,7 +271,7 @@ def check_prompt_cache_settings(
             kind = lookup(leaf)
             if isinstance(leaf, KVQCache):
                 got = (leaf.key_spec, leaf.value_spec)
-                want = (expect.key_spec, expect.value_spec)
+                want = expect.specs(bounded=leaf.bounded)
                 if got != want:
                     raise UnsupportedKVConfig(
                         f"{source}: layer {i} was stored as {leaf.describe()}, but "

@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import _BaseCache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _download, _get_classes
 
 # mlx-lm 0.32.2: the base class of every cache (state, meta_state, trimming and
@@ -42,6 +43,12 @@ def local_model(path_or_repo: str, allow_patterns: list[str] | None = None) -> P
     downloaded (only `allow_patterns` if given), as `sharded_load` does it
     (mlx-lm 0.32.2: `mlx_lm.utils._download`)."""
     return _download(str(path_or_repo), allow_patterns=allow_patterns)
+
+
+def hf_tokenizer(wrapper: Any) -> Any:
+    """The Hugging Face tokenizer inside mlx-lm's `TokenizerWrapper` (0.32.2:
+    `_tokenizer`); any other tokenizer is returned as it is."""
+    return wrapper._tokenizer if isinstance(wrapper, TokenizerWrapper) else wrapper
 
 
 def ring_index(cache: Any) -> int:

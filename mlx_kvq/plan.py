@@ -216,7 +216,9 @@ class KVPlan:
 
     @property
     def partial(self) -> bool:
-        return any(p.skipped for p in self.kv_layers)
+        """Some KV layer left unquantized on request (`--kv-skip-layers`,
+        `--kv-window-bits 0`)."""
+        return self.config.enabled and any(not p.quantized for p in self.kv_layers)
 
     @property
     def bytes_per_token(self) -> int:
@@ -416,10 +418,8 @@ def twin_slot(plan: KVPlan, slot: int, cache, start: int | None = None):
         members = [p for p in plan.layers if p.slot == slot and p.is_kv and not p.skipped]
         if not members:
             return cache
-        fields = {LAYER_FIELDS[p.member]: p.ratio for p in members}
-        return KVQLayerCache.from_cache(
-            cache, fields, plan.config.key_spec, plan.config.value_spec, start
-        )
+        fields = {LAYER_FIELDS[p.member]: (p.ratio, p.key_spec, p.value_spec) for p in members}
+        return KVQLayerCache.from_cache(cache, fields, start)
     if type(cache) is mlx_cache.CacheList:
         return mlx_cache.CacheList(
             *(_twin(plan, plan.layer(slot, m), c, start) for m, c in enumerate(cache.caches))
@@ -538,13 +538,14 @@ def plan_kv(
         if kind.name == "sliding" and getattr(c, "keep", 0) and batch:
             notes.append(f"{where}: sink tokens (keep={c.keep}) are not kept in batched windows")
         skipped = slot in cfg.skip_layers
+        key_spec, value_spec = cfg.specs(bounded=window is not None)
         layers.append(
             LayerPlan(
                 slot,
                 name,
                 window,
-                cfg.key_spec,
-                cfg.value_spec,
+                key_spec,
+                value_spec,
                 skipped=skipped,
                 member=member,
                 ratio=ratio,

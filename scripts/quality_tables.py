@@ -1,17 +1,23 @@
-"""Regenerate the tables of docs/quality.md.
+"""Regenerate the tables and the plot of docs/quality.md.
 
-    python scripts/quality_tables.py                 # every section
-    python scripts/quality_tables.py --only demo     # the demo model only
-    python scripts/quality_tables.py --only outlier  # the outlier-key model only
+    python scripts/quality_tables.py                   # every section
+    python scripts/quality_tables.py --only frontier   # the demo model on both texts
+    python scripts/quality_tables.py --only outlier    # the outlier-key model only
+    python scripts/quality_tables.py --render          # tables, plot, default from docs/quality.json
 
 Each table is written between `<!-- BEGIN name -->` / `<!-- END name -->`
 markers in docs/quality.md (the prose around them is left alone), and the raw
-numbers go to docs/quality.json. Sections:
+numbers (per-window values included) go to docs/quality.json. Sections:
 
-- demo: the embedded demo model (gemma3_text, head_dim 64, sliding window
-  128) on its held-out text, through `mlx_kvq.evaluate.evaluate_many`: every
-  setting against one shared unquantized run, chunked prefill through the
-  caches.
+- frontier: the embedded demo model (gemma3_text, 4 sliding-window layers of
+  128 tokens and 2 full-attention layers, head_dim 64) on its two texts, the
+  held-out KJV books (in domain) and modern technical English (out of
+  domain), through `mlx_kvq.evaluate.evaluate_many`: every setting against
+  one shared unquantized run per text, chunked prefill through the real
+  caches. Bits per element are measured from the bytes the caches hold at
+  2,048 tokens. Also the plot docs/img/quality_frontier.png and the default
+  chosen from these numbers by `choose_default` (the rule is in its
+  docstring).
 - outlier: a random-weight llama whose keys carry a few large channels
   (k_proj rows of two RoPE pairs per KV head scaled by 8x and 16x, the
   matching q_proj rows divided by the same factor, so the unquantized model
@@ -40,36 +46,251 @@ sys.path.insert(0, str(REPO))
 
 from mlx_kvq import attention  # noqa: E402
 from mlx_kvq.config import KVConfig, QuantSpec  # noqa: E402
-from mlx_kvq.evaluate import evaluate_many, format_table, load_eval_inputs  # noqa: E402
+from mlx_kvq.evaluate import evaluate_many, load_eval_inputs  # noqa: E402
 from mlx_kvq.quant import Store  # noqa: E402
 
 DOC = REPO / "docs" / "quality.md"
 RAW = REPO / "docs" / "quality.json"
+PLOT = REPO / "docs" / "img" / "quality_frontier.png"
 
 
-# -- demo model ----------------------------------------------------------------------
-def demo_settings() -> list[tuple[str, KVConfig]]:
-    out = []
-    for bits in (8, 6, 5, 4, 3, 2):
-        for rot in ("none", "hadamard"):
-            out.append((f"{bits}-bit", KVConfig(bits=bits, rotation=rot)))
-    mixed = [(8, 4), (4, 8), (4, 3), (3, 4), (4, 2), (2, 4), (3, 2), (2, 3)]
-    for kb, vb in mixed:
-        for rot in ("none", "hadamard"):
-            out.append((f"K{kb}/V{vb}", KVConfig(key_bits=kb, value_bits=vb, rotation=rot)))
+# -- demo model: the frontier on both texts --------------------------------------------
+GOAL_BITS, GOAL_TOP1, GOAL_KL = 4.5, 0.98, 0.0015  # issue 18's 4-bit goal
+
+
+def frontier_settings() -> list[tuple[str, KVConfig]]:
+    """(label, setting): mlx-lm-style uniform widths, then bounded layers
+    (the sliding windows) wider than the rest."""
+    rot = "hadamard"
+    out = [(f"{b}-bit", KVConfig(bits=b)) for b in (8, 5, 4)]
+    out += [
+        ("4-bit + rot", KVConfig(bits=4, rotation=rot)),
+        ("K4/V3 + rot", KVConfig(bits=4, value_bits=3, rotation=rot)),
+        ("3-bit + rot", KVConfig(bits=3, rotation=rot)),
+    ]
+    for w, b, vb, r in (
+        (8, 4, None, "none"), (8, 4, 3, "none"), (8, 4, 3, rot), (8, 3, None, "none"),
+        (8, 3, None, rot), (8, 3, 2, rot), (8, 2, None, rot), (6, 4, 3, rot), (6, 3, None, rot),
+    ):  # fmt: skip
+        label = f"windows {w}-bit, " + (f"K{b}/V{vb}" if vb else f"{b}-bit")
+        label += " + rot" if r != "none" else ""
+        out.append((label, KVConfig(bits=b, value_bits=vb, rotation=r, window_bits=w)))
     return out
 
 
-def run_demo(args, settings=None) -> dict:
-    model, _, ids, bos = load_eval_inputs(args.model, args.text)
-    settings = settings or demo_settings()
-    t0 = time.perf_counter()
-    results = evaluate_many(
-        model, ids, [c for _, c in settings], context=args.context, chunk=args.chunk,
-        windows=args.windows, bos=bos, progress=True,
-    )  # fmt: skip
-    print(f"demo: {len(settings)} settings in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    return {"args": {k: str(v) for k, v in vars(args).items()}, "results": results}
+def run_frontier(args, settings=None) -> dict:
+    settings = settings or frontier_settings()
+    model, _, texts = load_eval_inputs(args.model, args.text)
+    data = {"args": {k: str(v) for k, v in vars(args).items()}, "labels": [], "texts": {}}
+    data["labels"] = [label for label, _ in settings]
+    for name, (ids, bos) in texts.items():
+        t0 = time.perf_counter()
+        data["texts"][name] = evaluate_many(
+            model, ids, [c for _, c in settings], context=args.context, chunk=args.chunk,
+            windows=args.windows, bos=bos, progress=True,
+        )  # fmt: skip
+        took = time.perf_counter() - t0
+        print(f"frontier: {name}: {len(settings)} settings in {took:.0f} s", file=sys.stderr)
+    return data
+
+
+def rows(data: dict) -> list[dict]:
+    """One row per setting: its label, bits, and each text's result."""
+    names = list(data["texts"])
+    out = []
+    for i, label in enumerate(data["labels"]):
+        per_text = {n: data["texts"][n][i] for n in names}
+        first = per_text[names[0]]
+        out.append({"label": label, "bits": first["bits_per_element"], "texts": per_text,
+                    "kv_config": first["kv_config"]})  # fmt: skip
+    return out
+
+
+def worst(row: dict) -> tuple[float, float]:
+    """(highest mean KL, lowest top-1) over the texts."""
+    kl = max(r["kl_mean"] for r in row["texts"].values())
+    top1 = min(r["top1"] for r in row["texts"].values())
+    return kl, top1
+
+
+def meets_goal(row: dict) -> bool:
+    kl, top1 = worst(row)
+    return row["bits"] <= GOAL_BITS + 1e-9 and kl <= GOAL_KL and top1 >= GOAL_TOP1
+
+
+def on_frontier(row: dict, all_rows: list[dict]) -> bool:
+    """No other setting costs no more bits and has a lower worst-text mean KL."""
+    kl = worst(row)[0]
+    return not any(
+        o is not row and o["bits"] <= row["bits"] + 1e-9 and worst(o)[0] < kl for o in all_rows
+    )
+
+
+def choose_default(all_rows: list[dict]) -> dict:
+    """The default: among the settings at or under the goal's budget (4.5
+    bits per element held at 2,048 tokens: the bytes of mlx-lm's
+    `--kv-bits 4`) that meet the goal on both texts, the one with the lowest
+    worst-text mean KL; a cheaper one whose KL is within one standard error
+    of it (the larger of the two texts' errors) wins the tie."""
+    ok = [r for r in all_rows if meets_goal(r)]
+    if not ok:
+        raise ValueError("no setting meets the goal: no default can be chosen by this rule")
+    best = min(ok, key=lambda r: worst(r)[0])
+    se = max(t["kl_mean_se"] for t in best["texts"].values())
+    near = [r for r in ok if worst(r)[0] <= worst(best)[0] + se]
+    return min(near, key=lambda r: (r["bits"], worst(r)[0]))
+
+
+def _pm(value: float, se: float, fmt: str, scale: float = 1.0) -> str:
+    return f"{scale * value:{fmt}} ± {scale * se:{fmt}}"
+
+
+def frontier_table(all_rows: list[dict], default: dict) -> str:
+    names = list(all_rows[0]["texts"])
+    head = "| setting | bits/elem | " + " | ".join(
+        f"mean KL, {n} | KL p99, {n} | top-1, {n}" for n in names
+    )
+    lines = [head + " | goal |", "|---|---:|" + "---:|---:|---:|" * len(names) + "---|"]
+    for r in all_rows:
+        cells = []
+        for n in names:
+            t = r["texts"][n]
+            cells += [
+                _pm(t["kl_mean"], t["kl_mean_se"], ".2e"),
+                _pm(t["kl_p99"], t["kl_p99_se"], ".1e"),
+                _pm(t["top1"], t["top1_se"], ".2f", 100) + "%",
+            ]
+        marks = ("meets" if meets_goal(r) else "") + (
+            " · frontier" if on_frontier(r, all_rows) else ""
+        )
+        label = f"**{r['label']}** (default)" if r["label"] == default["label"] else r["label"]
+        lines.append(f"| {label} | {r['bits']:.2f} | " + " | ".join(cells) + f" | {marks} |")
+    return "\n".join(lines)
+
+
+def ppl_table(all_rows: list[dict]) -> str:
+    names = list(all_rows[0]["texts"])
+    lines = [
+        "| setting | bits/elem | " + " | ".join(f"rel. ppl change, {n}" for n in names) + " |",
+        "|---|---:|" + "---:|" * len(names),
+    ]
+    for r in all_rows:
+        cells = [
+            f"{100 * r['texts'][n]['rel_ppl_change']:+.3f}% ± "
+            f"{100 * r['texts'][n]['rel_ppl_change_se']:.3f}"
+            for n in names
+        ]
+        lines.append(f"| {r['label']} | {r['bits']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def frontier_section(data: dict) -> str:
+    all_rows = rows(data)
+    default = choose_default(all_rows)
+    first = next(iter(data["texts"].values()))[0]
+    ppl = ", ".join(f"{n} {rs[0]['ppl_base']:.2f}" for n, rs in data["texts"].items())
+    head = (
+        f"Demo model, per text {first['windows']} windows x {first['context']} tokens, prefill "
+        f"chunks of {first['chunk']}, {first['tokens_scored']} tokens scored; unquantized "
+        f"perplexity {ppl}. Bits per element from the bytes held at "
+        f"{first['held_context']} tokens. ± is the standard error across windows. "
+        f'"meets": at most {GOAL_BITS} bits, top-1 at least {100 * GOAL_TOP1:.0f}% and mean '
+        f'KL at most {GOAL_KL} on both texts; "frontier": no setting with as few bits has a '
+        "lower worst-text mean KL.\n\n"
+    )
+    tail = (
+        "\n\nPerplexity change (secondary):\n\n" + ppl_table(all_rows) + "\n\n"
+        f"Default by `choose_default`: **{default['label']}** "
+        f"({default['bits']:.2f} bits/elem).\n\n![frontier](img/quality_frontier.png)"
+    )
+    return head + frontier_table(all_rows, default) + tail
+
+
+def config_of(row: dict) -> KVConfig:
+    """The recorded setting of a row as a KVConfig (JSON keeps tuples as lists)."""
+    c = row["kv_config"]
+    return KVConfig(**{**c, "skip_layers": tuple(c["skip_layers"])})
+
+
+def eval_command(row: dict, first: dict) -> str:
+    """The `mlx-kvq eval` command that measures `row` on the frontier's windows:
+    no bits flag when it is the package's default setting."""
+    from mlx_kvq.defaults import DEFAULT_KV_CONFIG
+
+    cmd = f"mlx-kvq eval --context {first['context']} --chunk {first['chunk']} "
+    cmd += f"--windows {first['windows']}"
+    if config_of(row) == DEFAULT_KV_CONFIG:
+        return cmd
+    c = row["kv_config"]
+    flags = [f"--kv-bits {c['bits']}"]
+    if c["value_bits"] is not None:
+        flags.append(f"--kv-value-bits {c['value_bits']}")
+    if c["rotation"] != "none":
+        flags.append(f"--kv-rotation {c['rotation']}")
+    if c["window_bits"] is not None:
+        flags.append(f"--kv-window-bits {c['window_bits']}")
+    return cmd + " " + " ".join(flags)
+
+
+def default_section(data: dict) -> str:
+    """The default's figures exactly as the command beside them prints them."""
+    from mlx_kvq.evaluate import format_text_table
+
+    default = choose_default(rows(data))
+    first = next(iter(data["texts"].values()))[0]
+    results = [{"text": n, **default["texts"][n]} for n in data["texts"]]
+    return (
+        f"`{eval_command(default, first)}` prints (the demo model, both texts; "
+        f"{default['bits']:.2f} bits per element held at {first['held_context']} tokens):\n\n"
+        + format_text_table(results)
+    )
+
+
+def frontier_plot(data: dict, path: Path) -> str | None:
+    """Bits per element against mean KL and top-1 agreement, both texts."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'mlx-kvq[plot]'): plot skipped"
+    all_rows = rows(data)
+    default = choose_default(all_rows)
+    fig, (ax_kl, ax_top) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for name, color in zip(data["texts"], ("tab:blue", "tab:orange"), strict=False):
+        for windowed, marker in ((False, "o"), (True, "s")):
+            pts = [r for r in all_rows if (r["kv_config"]["window_bits"] is not None) == windowed]
+            xs = [r["bits"] for r in pts]
+            label = f"{name}, " + ("bounded layers wider" if windowed else "uniform width")
+            ax_kl.scatter(xs, [r["texts"][name]["kl_mean"] for r in pts], c=color,
+                          marker=marker, label=label, alpha=0.8)  # fmt: skip
+            ax_top.scatter(xs, [100 * r["texts"][name]["top1"] for r in pts], c=color,
+                           marker=marker, label=label, alpha=0.8)  # fmt: skip
+        front = sorted((r for r in all_rows if on_frontier(r, all_rows)), key=lambda r: r["bits"])
+        ax_kl.plot([r["bits"] for r in front], [r["texts"][name]["kl_mean"] for r in front],
+                   c=color, lw=1, alpha=0.6)  # fmt: skip
+    for ax, key, scale in ((ax_kl, "kl_mean", 1), (ax_top, "top1", 100)):
+        vals = [scale * t[key] for t in default["texts"].values()]
+        ax.scatter([default["bits"]] * len(vals), vals, s=180, facecolors="none",
+                   edgecolors="black", label="default")  # fmt: skip
+        ax.axvline(GOAL_BITS, color="grey", ls=":", lw=1)
+        ax.set_xlabel("bits per element held at 2,048 tokens")
+        ax.grid(alpha=0.3)
+    ax_kl.axhline(GOAL_KL, color="grey", ls="--", lw=1)
+    ax_top.axhline(100 * GOAL_TOP1, color="grey", ls="--", lw=1)
+    ax_kl.set_yscale("log")
+    ax_kl.set_ylabel("mean KL(unquantized || quantized), nats")
+    ax_top.set_ylabel("top-1 agreement, %")
+    ax_kl.set_title("KL divergence (lower is better)")
+    ax_top.set_title("top-1 agreement (higher is better)")
+    ax_top.legend(fontsize=8, loc="lower right")
+    fig.suptitle("Demo model: bits against fidelity, in-domain and out-of-domain text")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return None
 
 
 # -- outlier-key model ---------------------------------------------------------------------
@@ -245,31 +466,22 @@ def save_raw(key: str, value) -> None:
     RAW.write_text(json.dumps(raw, indent=1) + "\n")
 
 
-def demo_section(data: dict) -> str:
-    r0 = data["results"][0]
-    head = (
-        f"Demo model, {r0['windows']} windows x {r0['context']} tokens of the held-out text, "
-        f"prefill chunks of {r0['chunk']}, {r0['tokens_scored']} tokens scored; unquantized "
-        f"perplexity {r0['ppl_base']:.4f}.\n\n"
-    )
-    return head + format_table(data["results"])
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", choices=("demo", "outlier"), default=None)
+    p.add_argument("--only", choices=("frontier", "outlier"), default=None)
     p.add_argument("--model", default=None, help="default: the embedded demo model")
-    p.add_argument("--text", type=Path, default=None)
+    p.add_argument("--text", type=Path, action="append", default=None,
+                   help="default: the demo model's two texts")  # fmt: skip
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--windows", type=int, default=16)
+    p.add_argument("--windows", type=int, default=8)
     p.add_argument("--outlier-tokens", type=int, default=4096)
     p.add_argument(
-        "--render", action="store_true", help="rewrite the tables from docs/quality.json only"
+        "--render", action="store_true", help="rewrite tables and plot from docs/quality.json only"
     )
     args = p.parse_args(argv)
     raw = json.loads(RAW.read_text()) if args.render and RAW.exists() else {}
-    for name in ("demo", "outlier"):
+    for name in ("frontier", "outlier"):
         if args.only not in (None, name):
             continue
         if args.render:
@@ -281,9 +493,23 @@ def main(argv=None) -> int:
                 f"python scripts/quality_tables.py --only {name} --context {args.context} "
                 f"--chunk {args.chunk} --windows {args.windows}"
             )
-            data = run_outlier(args) if name == "outlier" else run_demo(args)
+            data = run_outlier(args) if name == "outlier" else run_frontier(args)
             save_raw(name, {"command": cmd, "data": data})
-        body = outlier_table(data) if name == "outlier" else demo_section(data)
+        if name == "frontier":
+            body = frontier_section(data)
+            msg = frontier_plot(data, PLOT)
+            if msg:
+                print(msg, file=sys.stderr)
+            chosen = choose_default(rows(data))
+            print(f"default: {chosen['label']}: {chosen['kv_config']}", file=sys.stderr)
+            if eval_command(chosen, data["texts"][next(iter(data["texts"]))][0]).count("--kv"):
+                print(
+                    "the chosen default is not DEFAULT_KV_CONFIG: update mlx_kvq/defaults.py",
+                    file=sys.stderr,
+                )
+            write_section("default", default_section(data), cmd)
+        else:
+            body = outlier_table(data)
         write_section(name, body, cmd)
     return 0
 

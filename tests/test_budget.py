@@ -111,9 +111,10 @@ def test_prices_follow_the_setting(loaded):
         for name, kv in SETTINGS.items()
     }
     # head dim 64, 2 KV heads, float32: raw 2*64*2*4 = 1024 B/token; K4/V3 with
-    # 16-bit scale and bias per 64 elements: 2*64*(0.5 + 0.375 + 2*4/64) = 128
+    # 16-bit scale and bias per 64 elements: 2*64*(0.5 + 0.375 + 2*4/64) = 128;
+    # the default's sliding windows are 8-bit: 2*64*(1 + 1 + 2*4/64) = 272
     assert [s.stored for s in per["unquantized"].cost.slots] == [1024] * 4
-    assert [s.stored for s in per["default"].cost.slots] == [128] * 4
+    assert [s.stored for s in per["default"].cost.slots] == [272, 128, 272, 128]
     assert [s.stored for s in per["4-bit"].cost.slots] == [144] * 4
     assert [s.stored for s in per["8-bit"].cost.slots] == [272] * 4
     assert per["default"].unquantized.slots == per["unquantized"].cost.slots

@@ -37,6 +37,7 @@ from mlx_kvq.caches import (
     KVQWindowCache,
 )
 from mlx_kvq.config import QuantSpec
+from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 from mlx_kvq.quant import QuantizedKV
 
 H, DK, DV = 2, 64, 128
@@ -56,6 +57,10 @@ specs = st.sampled_from(
         (QuantSpec(8, 64), QuantSpec(4, 128)),
         (QuantSpec(4, 64, "hadamard"), QuantSpec(6, 64, "hadamard")),
         (QuantSpec(None), QuantSpec(4)),
+        # The default setting's two layouts: bounded layers (windows, chunks)
+        # and the others (KVConfig.window_bits).
+        DEFAULT_KV_CONFIG.specs(bounded=True),
+        DEFAULT_KV_CONFIG.specs(bounded=False),
     ]
 )
 

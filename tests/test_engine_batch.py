@@ -301,8 +301,13 @@ def test_requests_queued_during_a_failed_warmup_get_an_error(loaded, tmp_path):
 
 @pytest.mark.parametrize(
     "kv",
-    [KVConfig(bits=4, max_kv_size=32), KVConfig(), KVConfig(key_bits=8, value_bits=4)],
-    ids=["max-kv-size", "unquantized", "split-bits"],
+    [
+        KVConfig(bits=4, max_kv_size=32),
+        KVConfig(),
+        KVConfig(key_bits=8, value_bits=4),
+        KVConfig(bits=3, window_bits=8, rotation="hadamard"),
+    ],
+    ids=["max-kv-size", "unquantized", "split-bits", "window-bits"],
 )
 def test_other_kv_settings_warm_up_and_serve(loaded, kv):
     model, tokenizer = loaded[0], loaded[1]
@@ -314,6 +319,12 @@ def test_other_kv_settings_warm_up_and_serve(loaded, kv):
         state = eng.readiness.get()
         assert state.status == "ready", state.reason
         assert state.report["sequence_tokens"] > (plan.max_window or 0)
+        if kv.window_bits is not None:  # each kind warmed up at its own width
+            widths = {(p.kind, p.window is not None, p.key_spec.bits) for p in plan.kv_layers}
+            assert (True, 8) in {(b, w) for _, b, w in widths}
+            assert (False, 3) in {(b, w) for _, b, w in widths}
+            batch = state.report["batch"]
+            assert all(k["quantized"] == k["slots"] for k in batch.values())
         long_prompt = tokenizer.encode(" ".join(["river bridge mountain"] * 20))
         assert len(long_prompt) > 32
         c = submit(eng, long_prompt, max_tokens=8).wait()

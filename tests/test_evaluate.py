@@ -45,12 +45,12 @@ def test_unquantized_against_itself_is_identical(tiny):
     assert math.isfinite(r["ppl_base"]) and r["ppl_base"] > 1
     assert r["ppl"] == r["ppl_base"]
     assert r["rel_ppl_change"] == 0.0
-    assert r["kl_mean"] == 0.0 and r["kl_max"] == 0.0
+    assert r["kl_mean"] == 0.0 and r["kl_max"] == 0.0 and r["kl_p99"] == 0.0
     assert r["top1"] == 1.0
     assert r["windows"] == WINDOWS
     assert r["tokens_scored"] == WINDOWS * (CONTEXT - 1)
-    assert r["bits_per_element"] == 16.0
-    assert r["rel_ppl_change_se"] == 0.0
+    assert r["bits_per_element"] == 32.0  # a float32 model's own caches
+    assert r["rel_ppl_change_se"] == r["kl_mean_se"] == r["top1_se"] == 0.0
 
 
 def test_quantized_settings_order_by_bits(tiny):
@@ -66,6 +66,8 @@ def test_quantized_settings_order_by_bits(tiny):
     assert r8["kl_mean"] < r4["kl_mean"]
     assert r8["top1"] >= 0.9
     assert r4["rel_ppl_change_se"] > 0.0  # spread across the two windows
+    assert r4["kl_mean_se"] > 0.0 and r4["kl_p99_se"] > 0.0
+    assert r4["kl_mean"] <= r4["kl_p99"] <= r4["kl_max"]
     assert r8["bits_per_element"] == pytest.approx(8.5)
     assert r4["bits_per_element"] == pytest.approx(4.5)
 
@@ -87,7 +89,7 @@ def test_windows_and_bos():
     assert ev.window_starts(50, 100, 4) == [0]
     s = ev.window_starts(1000, 100, 4)
     assert s[0] == 0 and s[-1] == 900 and len(s) == 4
-    wins = ev._windows(list(range(10, 30)), 5, 3, bos=1)
+    wins = ev.cut_windows(list(range(10, 30)), 5, 3, bos=1)
     assert all(w[0] == 1 and len(w) == 5 for w in wins)
 
 
@@ -161,26 +163,32 @@ def test_rotation_lowers_key_error_with_outlier_channels():
 # -- command line -------------------------------------------------------------------
 def test_cli_json_is_well_formed(tiny, monkeypatch, capsys):
     model, tokens = tiny
-    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, tokens, None))
+    texts = {"a": (tokens, None), "b": (tokens[::-1], None)}
+    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, texts))
     rc = main(
         ["eval", "--kv-bits", "4", "--kv-rotation", "hadamard", "--context", str(CONTEXT),
          "--chunk", str(CHUNK), "--windows", "2", "--json", "--no-progress"]
     )  # fmt: skip
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
-    for key in ("ppl_base", "ppl", "rel_ppl_change", "kl_mean", "top1", "bits_per_element"):
-        assert isinstance(data[key], float) and math.isfinite(data[key])
+    assert [t["text"] for t in data["texts"]] == ["a", "b"]
+    keys = ("ppl_base", "ppl", "rel_ppl_change", "kl_mean", "kl_mean_se", "kl_p99", "top1")
+    for t in data["texts"]:
+        for key in (*keys, "top1_se", "rel_ppl_change_se"):
+            assert isinstance(t[key], float) and math.isfinite(t[key])
+    assert data["bits_per_element"] == pytest.approx(4.5)
+    assert data["held_context"] == 2048 and data["kv_bytes"] > 0
     assert data["kv_config"]["rotation"] == "hadamard" and data["kv_config"]["bits"] == 4
     assert data["setting"] == "K 4b/g64+rot V 4b/g64+rot"
 
 
 def test_cli_table_and_bad_setting(tiny, monkeypatch, capsys):
     model, tokens = tiny
-    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, tokens, None))
+    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, {"a": (tokens, None)}))
     assert main(["eval", "--kv-key-bits", "8", "--context", "32", "--chunk", "16", "--windows", "1",
                     "--no-progress"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "| K 8b/g64 V fp16 |" in out
+    assert "KV K 8b/g64 V fp16" in out and "\n| a | " in out
     with pytest.raises(SystemExit):
         main(["eval", "--kv-bits", "7"])
 
@@ -209,11 +217,12 @@ def test_cli_defaults_to_the_default_setting_and_zero_turns_it_off(tiny, monkeyp
     from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 
     model, tokens = tiny
-    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, tokens, None))
+    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, {"a": (tokens, None)}))
     common = ["--context", "32", "--chunk", "16", "--windows", "1", "--json", "--no-progress"]
     assert main(["eval", *common]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["setting"] == DEFAULT_KV_CONFIG.describe()
     assert main(["eval", "--kv-bits", "0", *common]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["kl_mean"] == 0.0 and data["top1"] == 1.0 and data["bits_per_element"] == 16.0
+    t = data["texts"][0]
+    assert t["kl_mean"] == 0.0 and t["top1"] == 1.0 and data["bits_per_element"] == 32.0

@@ -63,6 +63,7 @@ def test_gemma4_kv_shared_warms_up_through_quantized_window_and_full(tmp_path):
 
         assert plan["bits"]["keys"] == default.key_spec.bits
         assert plan["bits"]["values"] == default.value_spec.bits
+        assert plan["bits"]["windows"] == default.window_bits
         assert plan["quantized_layers"] == plan["kv_layers"] > 0
         assert 0 < plan["bytes_per_token"] < plan["fp16_bytes_per_token"]
         check_quantized_warmup(body)

@@ -257,14 +257,15 @@ def test_status_is_open_and_describes_plan_and_engine(server):
     from mlx_kvq.plan import plan_kv
 
     want = plan_kv(server.model, DEFAULT_KV_CONFIG).layers
-    key, value = DEFAULT_KV_CONFIG.key_spec, DEFAULT_KV_CONFIG.value_spec
     plan = body["plan"]
+    assert plan["kv_config"]["window_bits"] == DEFAULT_KV_CONFIG.window_bits
     n = len(want)
     assert len(plan["slots"]) == plan["kv_layers"] == n == 3
     assert [s["kind"] for s in plan["slots"]] == ["sliding", "full", "sliding"]
     for i, (slot, layer) in enumerate(zip(plan["slots"], want, strict=True)):
         assert slot["slot"] == i
         assert (slot["kind"], slot["window"]) == (layer.kind, layer.window)
+        key, value = DEFAULT_KV_CONFIG.specs(bounded=layer.window is not None)
         assert (slot["key_bits"], slot["value_bits"]) == (key.bits, value.bits)
         assert slot["rotation"] == key.rotation
         assert slot["quantized"] is True and slot["kv"] is True

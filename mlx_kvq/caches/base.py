@@ -26,6 +26,7 @@ class KVQCache(BaseCache):
     """
 
     kind = "full"
+    bounded = False  # holds at most a fixed number of tokens (KVConfig.window_bits applies)
     step = 256
 
     def _init_specs(

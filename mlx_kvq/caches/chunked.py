@@ -16,6 +16,7 @@ from .base import PACKED, KVQCache
 
 class KVQChunkedCache(KVQCache):
     kind = "chunked"
+    bounded = True
 
     def __init__(
         self,

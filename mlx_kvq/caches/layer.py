@@ -135,6 +135,7 @@ class KVQWindowRows(KVQRowsCache):
 
     kind = "sliding"
     field = "window"
+    bounded = True
 
 
 class KVQCompressedRows(KVQRowsCache):
@@ -210,13 +211,12 @@ class KVQLayerCache(BaseCache):
     def from_cache(
         cls,
         cache,
-        fields: dict[str, int],
-        key_spec: QuantSpec,
-        value_spec: QuantSpec,
+        fields: dict[str, tuple[int, QuantSpec, QuantSpec]],
         start: int = 0,
     ) -> KVQLayerCache:
         """The twin of a (possibly filled) `LayerCache`: `fields` maps each KV
-        field to quantize to its ratio; its rows, offset and open group carry over."""
+        field to quantize to (its ratio, key spec, value spec); its rows,
+        offset and open group carry over."""
         leaves = {
             name: LEAF_CLASSES[name](
                 key_spec,
@@ -224,8 +224,8 @@ class KVQLayerCache(BaseCache):
                 start,
                 cache.window_size if name == "window" else None,
                 ratio,
-            )  # fmt: skip
-            for name, ratio in fields.items()
+            )
+            for name, (ratio, key_spec, value_spec) in fields.items()
         }
         q = cls(cache.window_size, leaves)
         q.offset = cache.offset

@@ -4,6 +4,12 @@ The ring keeps `keep` sink tokens at the front and at most `max_size` slots,
 so its bytes stay bounded however long the conversation runs. Multi-token
 updates put the ring in temporal order and append (as mlx-lm does);
 one-token updates write a slot in place, so decoding never reorders the ring.
+
+A wrapped ring has overwritten its oldest tokens, so it cannot be trimmed
+back, which speculative decoding needs after rejected drafts. `set_rewind(n)`
+makes it keep the last `n` tokens it evicts (in their stored, quantized
+form): `trim` then puts the ring back exactly as it was before the last `n`
+tokens, and the window stays bounded (`max_size + n` slots at most).
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from .batch import BatchKVQCache, merge_stores
 
 class KVQWindowCache(KVQCache):
     kind = "sliding"
+    bounded = True
+    rewind = 0  # evicted tokens kept for `trim` (see `set_rewind`)
+    _evicted: tuple[Store, Store] | None = None  # (keys, values), oldest first
 
     def __init__(
         self,
@@ -71,6 +80,7 @@ class KVQWindowCache(KVQCache):
             self._values = self._temporal_order(self._values)
             self._idx = self._keys.length
             trim_size = self._idx - self.max_size + 1
+            self._remember_evicted(self.keep, trim_size)
             self._keys = self._trim(trim_size, self._keys, k)
             self._values = self._trim(trim_size, self._values, v)
         self.offset += k.length
@@ -83,11 +93,14 @@ class KVQWindowCache(KVQCache):
             self._idx = prev
         trim_size = self._keys.length - self.max_size
         if trim_size > 0:
+            self._remember_evicted(self.keep, trim_size)
             self._keys = self._trim(trim_size, self._keys)
             self._values = self._trim(trim_size, self._values)
             self._idx = self.max_size
         if self._idx == self.max_size:
             self._idx = self.keep
+        if prev >= self.max_size:  # the ring is full: this slot holds the oldest token
+            self._remember_evicted(self._idx, 1)
         self._keys[..., self._idx : self._idx + 1, :] = k
         self._values[..., self._idx : self._idx + 1, :] = v
         self.offset += 1
@@ -141,13 +154,77 @@ class KVQWindowCache(KVQCache):
         return min(self.offset, self.max_size)
 
     def is_trimmable(self) -> bool:
-        return self.offset < self.max_size
+        return self.rewind > 0 or self.offset < self.max_size
 
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
+        if self.rewind and n:
+            self._rewind(n)
+            return n
         self.offset -= n
         self._idx -= n
         return n
+
+    @property
+    def nbytes(self) -> int:
+        held = super().nbytes
+        if self._evicted is not None:
+            held += self._evicted[0].nbytes + self._evicted[1].nbytes
+        return held
+
+    # -- rewinding ----------------------------------------------------------
+    def set_rewind(self, n: int) -> None:
+        """Keep the last `n` evicted tokens so that `trim(m)`, m <= n, rewinds
+        exactly even after the ring wrapped; 0 stops and frees them."""
+        if n < 0:
+            raise ValueError(f"rewind must be >= 0, got {n}")
+        self.rewind = n
+        self._evicted = None
+
+    def _remember_evicted(self, start: int, n: int) -> None:
+        """Slots [start, start + n) are about to be dropped: keep them (oldest first)."""
+        if not self.rewind or n <= 0:
+            return
+        k = self._keys[..., start : start + n, :].map(mx.contiguous)
+        v = self._values[..., start : start + n, :].map(mx.contiguous)
+        if self._evicted is not None:
+            k = Store.concat([self._evicted[0], k])
+            v = Store.concat([self._evicted[1], v])
+        if k.length > self.rewind:
+            k, v = k[..., -self.rewind :, :], v[..., -self.rewind :, :]
+        self._evicted = (k, v)
+
+    def _rewind(self, n: int) -> None:
+        """Forget the last `n` tokens: the ring in temporal order without them,
+        refilled with the tokens they evicted, as it was before them."""
+        k, v = self._temporal_order(self._keys), self._temporal_order(self._values)
+        if k.length < n:
+            raise RuntimeError(f"sliding window cannot rewind {n} tokens: it holds {k.length}")
+        k, v = k[..., : k.length - n, :], v[..., : v.length - n, :]
+        offset = self.offset - n
+        missing = min(offset, self.max_size) - k.length
+        if missing > 0:
+            have = 0 if self._evicted is None else self._evicted[0].length
+            if have < missing:
+                raise RuntimeError(
+                    f"sliding window cannot rewind {n} tokens: it kept {have} evicted "
+                    f"tokens of the {missing} needed (set_rewind({self.rewind}))"
+                )
+            ek, ev = self._evicted
+            keep = min(self.keep, k.length)
+            k = Store.concat([k[..., :keep, :], ek[..., -missing:, :], k[..., keep:, :]])
+            v = Store.concat([v[..., :keep, :], ev[..., -missing:, :], v[..., keep:, :]])
+            rest = have - missing
+            self._evicted = (ek[..., :rest, :], ev[..., :rest, :]) if rest else None
+        self._keys, self._values = k, v
+        self.offset = offset
+        self._idx = k.length
+
+    def _maybe_convert(self) -> None:
+        super()._maybe_convert()
+        if self._evicted is not None and self._token_count >= self.start:
+            ek, ev = self._evicted
+            self._evicted = (ek.quantize(self.key_spec), ev.quantize(self.value_spec))
 
     @property
     def state(self):
@@ -167,6 +244,7 @@ class KVQWindowCache(KVQCache):
             int(max_size),
             int(idx),
         )
+        self._evicted = None
 
     @classmethod
     def merge(cls, caches):
@@ -200,6 +278,7 @@ class KVQBatchWindowCache(BatchKVQCache):
     """Left-padded batch of sliding-window rings; bounded by `max_size` slots."""
 
     kind = "sliding"
+    bounded = True
 
     def __init__(
         self,

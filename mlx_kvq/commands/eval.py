@@ -11,15 +11,17 @@ from .flags import add_kv_flags, add_model_flag, kv_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from ..evaluate import DEFAULT_CHUNK, DEFAULT_CONTEXT, DEFAULT_WINDOWS
+    from ..evaluate import DEFAULT_CHUNK, DEFAULT_CONTEXT, DEFAULT_WINDOWS, HELD_CONTEXT
 
     p = sub.add_parser("eval", help="perplexity/KL/top-1 against unquantized caches")
     add_model_flag(p)
     p.add_argument(
         "--text",
         type=Path,
+        action="append",
         default=None,
-        help="held-out text file (default: the demo model's held-out text)",
+        help="text file to evaluate on; repeat for several (default with the demo model: "
+        "its held-out KJV text and its out-of-domain modern English text)",
     )
     add_kv_flags(p)
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per window")
@@ -33,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--windows",
         type=int,
         default=DEFAULT_WINDOWS,
-        help="windows of --context tokens spread over the text",
+        help="windows of --context tokens spread over each text",
     )
     p.add_argument(
         "--decode",
@@ -41,34 +43,55 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=0,
         help="feed the last N positions of each window one token at a time",
     )
+    p.add_argument(
+        "--held-context",
+        type=int,
+        default=HELD_CONTEXT,
+        help="context at which bits per element are measured from the bytes held "
+        f"(default {HELD_CONTEXT})",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print a table (or JSON) for the KV setting the flags ask for.
+    """Print a table (or JSON) for the KV setting the flags ask for, one row per text.
 
     With no bits flag that is the default setting (as `serve` and `generate`
     use); `--kv-bits 0` evaluates unquantized caches (a null check: KL 0).
     """
-    from ..evaluate import evaluate, format_table, load_eval_inputs
+    from ..evaluate import evaluate, format_text_table, load_eval_inputs
 
     cfg = kv_config(args)
-    model, _, ids, bos = load_eval_inputs(args.model, args.text)
-    result = evaluate(
-        model, ids, cfg, context=args.context, chunk=args.chunk, windows=args.windows,
-        bos=bos, progress=False if args.no_progress else None, decode=args.decode,
-    )  # fmt: skip
-    result["model"] = args.model or "demo"
+    model, _, texts = load_eval_inputs(args.model, args.text)
+    results = []
+    for name, (ids, bos) in texts.items():
+        r = evaluate(
+            model, ids, cfg, context=args.context, chunk=args.chunk, windows=args.windows,
+            bos=bos, progress=False if args.no_progress else None, decode=args.decode,
+            held_context=args.held_context,
+        )  # fmt: skip
+        results.append({"text": name, **r})
+    r0 = results[0]
+    shared = ("setting", "kv_config", "bits_per_element", "held_context", "kv_bytes")
+    report = {
+        "model": args.model or "demo",
+        **{k: r0[k] for k in shared if k in r0},
+        "texts": [{k: v for k, v in r.items() if k not in shared} for r in results],
+    }
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(report, indent=2))
         return 0
+    held = r0.get("held_context", r0["context"])
     print(
-        f"model {result['model']}: {result['windows']} windows x {result['context']} tokens, "
-        f"chunks of {result['chunk']}"
-        + (f" then {result['decode']} one-token steps" if result["decode"] else "")
-        + f", {result['tokens_scored']} tokens scored"
+        f"model {report['model']}, KV {r0['setting']}: {r0['bits_per_element']:.2f} bits per "
+        f"element held at {held} tokens"
     )
-    print(format_table([result]))
+    print(
+        f"{r0['windows']} windows x {r0['context']} tokens per text, chunks of {r0['chunk']}"
+        + (f" then {r0['decode']} one-token steps" if r0["decode"] else "")
+        + "; ± is the standard error across windows"
+    )
+    print(format_text_table(results))
     return 0

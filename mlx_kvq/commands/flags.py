@@ -14,6 +14,7 @@ import re
 
 from ..config import ROTATIONS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVConfig
 from ..defaults import resolve_widths
+from ..speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -71,13 +72,52 @@ def add_model_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_adapter_flag(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's `--adapter-path`: LoRA/DoRA/full fine-tune weights applied at load."""
+    parser.add_argument(
+        "--adapter-path",
+        default=None,
+        help="directory with adapter_config.json and adapters.safetensors (as written by "
+        "mlx_lm.lora), applied to the model before the KV plan and the warm-up",
+    )
+
+
+def add_draft_flags(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's speculative decoding flags."""
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="a smaller model with the same tokenizer that drafts tokens for speculative "
+        "decoding; its KV caches are quantized like the model's",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help=f"tokens drafted per step, with --draft-model (default: {DEFAULT_DRAFT_TOKENS})",
+    )
+
+
+def check_draft_tokens(args: argparse.Namespace) -> None:
+    """Refuse a draft length no request could use, or one without a draft
+    model (it would change nothing); fill in the default."""
+    if args.num_draft_tokens is None:
+        args.num_draft_tokens = DEFAULT_DRAFT_TOKENS
+        return
+    if not args.draft_model:
+        raise ValueError("--num-draft-tokens needs --draft-model (speculative decoding)")
+    if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}]")
+
+
 def add_kv_flags(parser: argparse.ArgumentParser) -> None:
     """The KV cache flags: mlx-lm's names, plus ours. Same meaning in every command.
 
     With none of `--kv-bits`, `--kv-key-bits`, `--kv-value-bits`, the default
     setting of `mlx_kvq/defaults.py` applies; 0 for any of them means
     unquantized (`--kv-bits 0`: no quantization at all; `--kv-key-bits 0
-    --kv-value-bits 4`: keys in full precision, values at 4 bits).
+    --kv-value-bits 4`: keys in full precision, values at 4 bits;
+    `--kv-window-bits 0`: bounded layers in full precision).
     """
     g = parser.add_argument_group("KV cache")
     g.add_argument(
@@ -85,7 +125,8 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
         type=_bits,
         default=None,
         help="bits for keys and values (2,3,4,5,6,8; 0: unquantized); "
-        "default: mlx_kvq/defaults.py (4-bit keys, 3-bit values, rotation)",
+        "default: mlx_kvq/defaults.py (4-bit keys, 3-bit values, rotation, 8-bit "
+        "bounded layers)",
     )
     g.add_argument(
         "--kv-group-size",
@@ -113,6 +154,14 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
         "with explicit bits, as in mlx-lm; the default setting's without)",
     )
     g.add_argument(
+        "--kv-window-bits",
+        type=_bits,
+        default=None,
+        help="bits for keys and values of bounded layers (sliding window, chunked, "
+        "--max-kv-size; 0: unquantized); default: as the other layers (with no bits "
+        "flag: the default setting's, 8)",
+    )
+    g.add_argument(
         "--quantized-kv-start",
         type=int,
         default=0,
@@ -136,14 +185,16 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
 
 def kv_config(args: argparse.Namespace) -> KVConfig:
     """The KV setting the KV flags ask for (raises ValueError for a bad one)."""
-    bits, key_bits, value_bits, rotation = resolve_widths(
-        args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation
-    )
+    w = resolve_widths(
+        args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation,
+        args.kv_window_bits,
+    )  # fmt: skip
     return KVConfig.from_args(
-        kv_bits=bits, kv_group_size=args.kv_group_size, kv_key_bits=key_bits,
-        kv_value_bits=value_bits, kv_rotation=rotation,
+        kv_bits=w.bits, kv_group_size=args.kv_group_size, kv_key_bits=w.key_bits,
+        kv_value_bits=w.value_bits, kv_rotation=w.rotation,
         quantized_kv_start=args.quantized_kv_start, max_kv_size=args.max_kv_size,
         allow_partial_kv=args.allow_partial_kv, kv_skip_layers=args.kv_skip_layers,
+        kv_window_bits=w.window_bits,
     )  # fmt: skip
 
 

@@ -12,7 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .flags import add_kv_flags, add_model_flag, kv_config
+from .flags import (
+    add_adapter_flag,
+    add_draft_flags,
+    add_kv_flags,
+    add_model_flag,
+    check_draft_tokens,
+    kv_config,
+)
 from .startup import check_sharding_early, load_model, model_source, refuse_early
 
 
@@ -21,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "generate", help="generate text like mlx_lm.generate, every KV layer quantized"
     )
     add_model_flag(g)
+    add_adapter_flag(g)
     g.add_argument("--prompt", "-p", default="And God said", help="the prompt")
     g.add_argument("--max-tokens", "-m", type=int, default=100, help="tokens to generate")
     g.add_argument("--temp", type=float, default=0.0, help="sampling temperature")
@@ -31,8 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="use the raw prompt without the tokenizer's chat template",
     )
-    g.add_argument("--draft-model", default=None, help="draft model for speculative decoding")
-    g.add_argument("--num-draft-tokens", type=int, default=3, help="tokens drafted per step")
+    add_draft_flags(g)
     g.add_argument(
         "--prompt-cache-file", default=None, help="prompt cache written by `mlx-kvq cache-prompt`"
     )
@@ -77,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from ..kernels import native_status
 
     cfg = kv_config(args)
+    check_draft_tokens(args)
     source = model_source(args)
     refuse_early(source, cfg)
     model, tokenizer = load_model(source, args)
@@ -152,8 +160,11 @@ def run_ranks(args: argparse.Namespace) -> int:
 
     cfg = kv_config(args)
     source = model_source(args)
-    if args.draft_model:
-        raise ValueError("--draft-model is not supported under mlx.launch (as in mlx-lm)")
+    for flag in ("draft_model", "adapter_path"):
+        if getattr(args, flag):
+            raise ValueError(
+                f"--{flag.replace('_', '-')} is not supported under mlx.launch (as in mlx-lm)"
+            )
     if args.prompt_cache_file:
         raise ValueError("--prompt-cache-file is not supported under mlx.launch")
     layout = check_sharding_early(source.location, args.pipeline, rank)

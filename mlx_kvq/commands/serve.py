@@ -21,9 +21,12 @@ import sys
 import threading
 
 from .flags import (
+    add_adapter_flag,
+    add_draft_flags,
     add_kv_flags,
     add_model_flag,
     add_sampling_flags,
+    check_draft_tokens,
     check_sampling,
     json_object,
     kv_config,
@@ -36,6 +39,7 @@ from .startup import (
     load_model,
     model_source,
     tokenizer_config,
+    use_default_chat_template,
 )
 
 log = logging.getLogger("mlx_kvq.server")
@@ -49,6 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """The `serve` flags: mlx_lm.server's names and meanings, plus ours."""
     p = sub.add_parser("serve", help="OpenAI-compatible server")
     add_model_flag(p)
+    add_adapter_flag(p)
+    add_draft_flags(p)
     p.add_argument(
         "--served-model-name",
         default=None,
@@ -69,6 +75,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
     )
     p.add_argument("--chat-template", default="", help="override the tokenizer's chat template")
+    p.add_argument(
+        "--use-default-chat-template",
+        action="store_true",
+        help="when the tokenizer has no chat template, use its default one (as mlx_lm.server; "
+        "exit 2 when it has none)",
+    )
     p.add_argument(
         "--chat-template-args",
         type=json_object,
@@ -122,7 +134,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer <key>' on /v1/* (or set {API_KEY_ENV})",
+        help=f"require 'Authorization: Bearer <key>' on the OpenAI routes (or set {API_KEY_ENV})",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -161,6 +173,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     from ..server.schemas import check_template_kwargs
 
     check_sampling(args)
+    check_draft_tokens(args)
     for name in ("decode_concurrency", "prompt_concurrency", "prefill_step_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -210,10 +223,11 @@ def engine_options(
     )
 
 
-def kv_cache_memory(args: argparse.Namespace, model, plan) -> int:
-    """The KV budget: `--kv-cache-memory`, or the machine's default, logged with
-    how it was derived. Refused (exit 2) when it cannot hold one sequence of a
-    1-token prompt and `--max-tokens`: every request would be refused."""
+def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> int:
+    """The KV budget: `--kv-cache-memory`, or the machine's default (less the
+    weights of the model and of `draft_model`), logged with how it was
+    derived. Refused (exit 2) when it cannot hold one sequence of a 1-token
+    prompt and `--max-tokens`: every request would be refused."""
     from ..engine.budget import (
         Ledger,
         Shape,
@@ -227,7 +241,8 @@ def kv_cache_memory(args: argparse.Namespace, model, plan) -> int:
     if args.kv_cache_memory is not None:
         budget, how = args.kv_cache_memory, "--kv-cache-memory"
     else:
-        budget, how = default_budget(weights_bytes(model), machine_memory())
+        weights = weights_bytes(model) + (0 if draft_model is None else weights_bytes(draft_model))
+        budget, how = default_budget(weights, machine_memory())
         how = f"default: {how}; set --kv-cache-memory to change it"
     log.info("KV cache memory: %s (%s)", format_bytes(budget), how)
     share = share_for(
@@ -260,6 +275,9 @@ def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
         top_k=args.top_k,
         min_p=args.min_p,
         chat_template_args=dict(args.chat_template_args),
+        adapter_path=source.adapter_path,
+        draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
         max_context=plan.get("max_context"),
         plan=plan,
         allowed_origins=tuple(args.allowed_origins),
@@ -297,14 +315,46 @@ def run(args: argparse.Namespace) -> int:
     except UnsupportedKVConfig as e:
         raise UnsupportedKVConfig(f"KV setting refused for {source.served_id}: {e}") from None
     log.info("KV plan for %s:\n%s", source.served_id, plan.table())
-    budget = kv_cache_memory(args, model, plan)
+    draft = load_draft(args, model, tokenizer, plan, kv)
+    budget = kv_cache_memory(args, model, plan, None if draft is None else draft.model)
     options = engine_options(
         args, plan.max_context, args.warmup_gate, plan.max_batch, kv_cache_memory=budget
     )
-    engine = Engine(model, tokenizer, plan, kv, options)
+    engine = Engine(model, tokenizer, plan, kv, options, draft=draft)
     log.info("%s", engine.capacity.line)
     settings = server_settings(args, source, plan.to_dict())
     return serve_http(engine, settings, args.host, args.port, args.log_level, args.shutdown_timeout)
+
+
+def load_draft(args: argparse.Namespace, model, tokenizer, plan, kv):
+    """The draft model of `--draft-model`, loaded and planned like the model
+    (its KV caches quantized too), checked for speculative decoding; None
+    without the flag. A draft model that cannot serve is refused here (exit 2)."""
+    if not args.draft_model:
+        return None
+    from mlx_lm import load
+
+    from ..config import UnsupportedKVConfig
+    from ..engine import DraftModel
+    from ..plan import plan_kv
+    from ..speculative import check_speculation
+
+    try:
+        draft_model, draft_tokenizer = load(args.draft_model)
+    except Exception as e:  # noqa: BLE001 - any load failure is a bad --draft-model
+        raise ValueError(
+            f"could not load the draft model from {args.draft_model}: {type(e).__name__}: {e}"
+        ) from e
+    try:
+        draft_plan = plan_kv(draft_model, kv)
+        check_speculation(
+            model, draft_model, plan.make_cache(), draft_plan.make_cache(),
+            vocab=(tokenizer.vocab_size, draft_tokenizer.vocab_size),
+        )  # fmt: skip
+    except UnsupportedKVConfig as e:
+        raise UnsupportedKVConfig(f"--draft-model {args.draft_model} refused: {e}") from None
+    log.info("KV plan for the draft model %s:\n%s", args.draft_model, draft_plan.table())
+    return DraftModel(draft_model, draft_plan, args.draft_model, args.num_draft_tokens)
 
 
 def run_ranks(args: argparse.Namespace) -> int:
@@ -323,6 +373,11 @@ def run_ranks(args: argparse.Namespace) -> int:
         kv = kv_config(args)
         check_numbers(args)
         source = model_source(args)
+        for flag in ("draft_model", "adapter_path"):
+            if getattr(args, flag):
+                raise ValueError(
+                    f"--{flag.replace('_', '-')} is not supported under mlx.launch (as in mlx-lm)"
+                )
         if args.pipeline and args.prompt_cache_bytes is not None:
             raise ValueError(
                 "--prompt-cache-bytes is not supported with --pipeline: ranks hold different "
@@ -344,6 +399,8 @@ def run_ranks(args: argparse.Namespace) -> int:
         raise ValueError(
             f"rank {rank}: could not load the model from {source.location}: {type(e).__name__}: {e}"
         ) from e
+    if args.use_default_chat_template:
+        use_default_chat_template(tokenizer)
     sync_seed()
 
     def checks(plan) -> None:

@@ -25,6 +25,7 @@ class ModelSource:
 
     location: str  # a directory or a repo id, as mlx_lm.load takes it
     served_id: str
+    adapter_path: str | None = None  # fine-tune weights applied at load (--adapter-path)
 
     @property
     def local_config(self) -> Path | None:
@@ -34,10 +35,18 @@ class ModelSource:
 
 
 def model_source(args: argparse.Namespace) -> ModelSource:
-    """`--model`, or the embedded demo model when none is given."""
+    """`--model` (with `--adapter-path`), or the embedded demo model when none is given."""
     served = getattr(args, "served_model_name", None)
+    adapter = getattr(args, "adapter_path", None)
+    if adapter is not None:
+        for name in ("adapter_config.json", "adapters.safetensors"):
+            if not (Path(adapter) / name).is_file():
+                raise FileNotFoundError(
+                    f"--adapter-path {adapter}: no {name} there (mlx_lm.lora writes "
+                    "adapter_config.json and adapters.safetensors)"
+                )
     if args.model:
-        return ModelSource(args.model, served or args.model)
+        return ModelSource(args.model, served or args.model, adapter)
     from ..demo import demo_model_path
 
     try:
@@ -47,7 +56,7 @@ def model_source(args: argparse.Namespace) -> ModelSource:
             f"no --model given and the embedded demo model is not available in this "
             f"installation ({e}); pass --model PATH"
         ) from None
-    return ModelSource(str(path), served or DEMO_MODEL_ID)
+    return ModelSource(str(path), served or DEMO_MODEL_ID, adapter)
 
 
 def refuse_early(source: ModelSource, kv: KVConfig) -> None:
@@ -69,15 +78,29 @@ def tokenizer_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load_model(source: ModelSource, args: argparse.Namespace) -> tuple[Any, Any]:
-    """(model, tokenizer) with mlx-lm's `load`; a failure names the model."""
+    """(model, tokenizer) with mlx-lm's `load`, adapters applied; a failure
+    names the model (and the adapter).
+
+    `--trust-remote-code` reaches the model too (custom `model_file`
+    architectures), as in mlx_lm.server.
+    """
     from mlx_lm import load
 
     try:
-        return load(source.location, tokenizer_config=tokenizer_config(args))
+        model, tokenizer = load(
+            source.location,
+            adapter_path=source.adapter_path,
+            tokenizer_config=tokenizer_config(args),
+            trust_remote_code=getattr(args, "trust_remote_code", False),
+        )
     except Exception as e:  # noqa: BLE001 - any load failure is a bad --model
-        raise ValueError(
-            f"could not load the model from {source.location}: {type(e).__name__}: {e}"
-        ) from e
+        what = source.location
+        if source.adapter_path is not None:
+            what += f" with the adapter {source.adapter_path}"
+        raise ValueError(f"could not load the model from {what}: {type(e).__name__}: {e}") from e
+    if getattr(args, "use_default_chat_template", False):
+        use_default_chat_template(tokenizer)
+    return model, tokenizer
 
 
 def check_sharding_early(location: str, pipeline: bool, rank: int):
@@ -97,3 +120,18 @@ def check_sharding_early(location: str, pipeline: bool, rank: int):
         raise ValueError(
             f"rank {rank}: could not read the config of {location}: {type(e).__name__}: {e}"
         ) from e
+
+
+def use_default_chat_template(tokenizer: Any) -> None:
+    """mlx_lm.server's `--use-default-chat-template`: a tokenizer without a chat
+    template takes its default one; ValueError when there is none (recent
+    transformers releases have no default templates)."""
+    if tokenizer.chat_template is not None:
+        return
+    default = getattr(tokenizer, "default_chat_template", None)
+    if not default:
+        raise ValueError(
+            "--use-default-chat-template: the tokenizer has no chat template and no default "
+            "one; pass --chat-template with a template"
+        )
+    tokenizer.chat_template = default

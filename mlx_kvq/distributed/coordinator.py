@@ -30,11 +30,13 @@ from typing import Any
 
 from ..engine import (
     BudgetShare,
+    Checkpoint,
     Engine,
     GenerationRequest,
     RankStatus,
     RankView,
     SamplingParams,
+    Segment,
     StepCommands,
     StopNotice,
     WarmupVerdict,
@@ -86,7 +88,8 @@ class GroupCoordinator:
         if self.rank == 0 and commands:
             payload = json.dumps({
                 "submit": [
-                    {"id": r.id, "prompt": list(r.prompt), "params": asdict(r.params)}
+                    {"id": r.id, "prompt": list(r.prompt), "params": asdict(r.params),
+                     "checkpoints": [[c.length, c.segment.value] for c in r.checkpoints]}
                     for r in commands.submits
                 ],
                 "cancel": sorted(commands.cancels),
@@ -104,7 +107,11 @@ class GroupCoordinator:
         for s in cmd["submit"]:
             params = dict(s["params"])
             params["stop"] = tuple(params.get("stop") or ())
-            submits.append(GenerationRequest(s["prompt"], SamplingParams(**params), s["id"]))
+            # every rank must cut the prompt at the same places (the same model calls)
+            checkpoints = tuple(Checkpoint(n, Segment(kind)) for n, kind in s["checkpoints"])
+            submits.append(
+                GenerationRequest(s["prompt"], SamplingParams(**params), s["id"], checkpoints)
+            )
         if cmd["stop"]:
             self._stop_normally()
         return StepCommands(tuple(submits), frozenset(cmd["cancel"]), cmd["stop"])

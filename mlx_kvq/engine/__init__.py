@@ -15,17 +15,21 @@ from .engine import SHUTTING_DOWN, Engine, EngineOptions
 from .metrics import BudgetFigures, EngineMetrics, MetricsSnapshot
 from .prompt_cache import PromptCache
 from .requests import (
+    Checkpoint,
     ErrorEvent,
     Event,
     FinishEvent,
     FinishReason,
     GenerationRequest,
     Outcome,
+    PromptProgress,
     Rejection,
     SamplingParams,
+    Segment,
     TokenEvent,
     Usage,
 )
+from .speculation import DraftModel
 from .warmup import Readiness, ReadinessState, Status, WarmupFailed, check_batch_path, warmup_spec
 
 __all__ = [
@@ -33,6 +37,8 @@ __all__ = [
     "BudgetFigures",
     "BudgetShare",
     "Capacity",
+    "Checkpoint",
+    "DraftModel",
     "Coordinator",
     "Engine",
     "EngineMetrics",
@@ -47,12 +53,14 @@ __all__ = [
     "MetricsSnapshot",
     "Outcome",
     "PromptCache",
+    "PromptProgress",
     "RankStatus",
     "RankView",
     "Rejection",
     "Readiness",
     "ReadinessState",
     "SamplingParams",
+    "Segment",
     "Shape",
     "Status",
     "StepCommands",

@@ -182,11 +182,15 @@ def _per_token(p: LayerPlan, k: QuantSpec, v: QuantSpec) -> int:
 
 
 def setting_label(config: KVConfig) -> str:
-    """The KV setting in a few characters: "K4/V3", "K8/V8", "unquantized"."""
+    """The KV setting in a few characters: "K4/V3", "K4/V3, windows 8-bit",
+    "K8/V8", "unquantized"."""
     if not config.enabled:
         return "unquantized"
     k, v = config.key_spec.bits, config.value_spec.bits
-    return f"K{k or 'raw'}/V{v or 'raw'}"
+    label = f"K{k or 'raw'}/V{v or 'raw'}"
+    if config.window_bits is not None:
+        label += f", windows {config.window_bits or 'raw'}-bit"
+    return label
 
 
 @dataclass(frozen=True)
@@ -272,6 +276,7 @@ class Ledger:
     me: int = 0  # this process's rank
     shapes: dict[int, Shape] = field(default_factory=dict)  # by request id
     leaving: dict[int, Shape] = field(default_factory=dict)  # released after the next step
+    extras: dict[int, int] = field(default_factory=dict)  # bytes beyond the shape, by request
     peak_held: int = 0
     overruns: int = 0  # steps whose measured bytes exceeded the budget (never, if the bound holds)
     bound_misses: int = 0  # steps whose live bytes exceeded the bound (a bug in the cost model)
@@ -292,12 +297,13 @@ class Ledger:
     def reserved(self, rank: int | None = None, extra: Shape | None = None) -> int:
         """Bytes the admitted sequences (and `extra`) can hold on `rank` (default: this one)."""
         share = self.shares[self.me if rank is None else rank]
-        return share.cost.bound(self._all_shapes(extra))
+        return share.cost.bound(self._all_shapes(extra)) + sum(self.extras.values())
 
-    def fits(self, shape: Shape) -> bool:
-        """Whether admitting `shape` now keeps every rank within its budget,
-        the prompt cache yielding all it holds if need be."""
-        return all(s.cost.bound(self._all_shapes(shape)) <= s.budget for s in self.shares)
+    def fits(self, shape: Shape, extra_bytes: int = 0) -> bool:
+        """Whether admitting `shape` (and `extra_bytes` more) now keeps every
+        rank within its budget, the prompt cache yielding all it holds if need be."""
+        more = sum(self.extras.values()) + extra_bytes
+        return all(s.cost.bound(self._all_shapes(shape)) + more <= s.budget for s in self.shares)
 
     def verdict(self, shape: Shape) -> Verdict:
         """Whether `shape` fits even alone, on every rank."""
@@ -320,13 +326,21 @@ class Ledger:
             best = lo
         return Verdict(fits, needs, budget, best)
 
-    def reserve(self, request_id: int, shape: Shape) -> None:
+    def reserve(self, request_id: int, shape: Shape, extra_bytes: int = 0) -> None:
+        """Admit a request: its sequence's shape, and `extra_bytes` it holds
+        besides (a draft model's caches)."""
         self.shapes[request_id] = shape
+        if extra_bytes:
+            self.extras[request_id] = extra_bytes
+
+    def drop_extra(self, request_id: int) -> None:
+        self.extras.pop(request_id, None)
 
     def release(self, request_id: int, after_step: bool = False) -> None:
         """Free a request's share: at once, or (`after_step`) once the next step
         has taken its rows out of the batch's buffers."""
         shape = self.shapes.pop(request_id, None)
+        self.extras.pop(request_id, None)
         if shape is not None and after_step:
             self.leaving[request_id] = shape
 
@@ -337,6 +351,7 @@ class Ledger:
     def clear(self) -> None:
         self.shapes.clear()
         self.leaving.clear()
+        self.extras.clear()
 
     def room(self, rank: int | None = None) -> int:
         """Bytes the prompt cache may hold on `rank` next to the reservations."""

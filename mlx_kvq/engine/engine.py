@@ -9,14 +9,18 @@ mlx-lm's `BatchGenerator` with caches from the KV plan (quantized, full and
 sliding-window alike), steps the batch and pushes events back through each
 request's sink. Finished sequences leave their caches in the prompt cache;
 cancelled ones leave the batch at the next step, which frees their memory.
+With a draft model, a request that arrives while the engine serves nothing
+else is decoded speculatively (`speculation.SpeculativeLane`) until another
+request arrives; then it moves into the batch.
 
 With a KV memory budget (`EngineOptions.kv_cache_memory`), requests are
 admitted in order when their sequence's worst case fits what the budget has
 left, the prompt cache yielding first (`budget.Ledger`); the bytes the caches
 really hold are measured after every step against the budget.
 
-Whatever one request carries (its sampler, its text) can only fail that
-request: the batch and the engine go on (see `sampling.Guarded`).
+Whatever one request carries (its sampler, its logits processors, its text)
+can only fail that request: the batch and the engine go on (see
+`sampling.Guarded` and `processors.GuardedProcessor`).
 """
 
 from __future__ import annotations
@@ -35,12 +39,20 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import greedy_sampler
 
-from mlx_kvq.caches import cache_report
+from mlx_kvq.caches import KVQWindowCache, cache_report
 from mlx_kvq.config import KVConfig
 from mlx_kvq.mlx_lm_internals import batch_caches
 from mlx_kvq.plan import KV_KINDS, KVPlan
 
-from .budget import Capacity, Ledger, Shape, capacity_tokens, format_bytes, share_for
+from .budget import (
+    Capacity,
+    CostModel,
+    Ledger,
+    Shape,
+    capacity_tokens,
+    format_bytes,
+    share_for,
+)
 from .coordinator import (
     Coordinator,
     LocalCoordinator,
@@ -50,6 +62,7 @@ from .coordinator import (
     WarmupVerdict,
 )
 from .metrics import BudgetFigures, EngineMetrics
+from .processors import Grammars, GuardedProcessor, make_processors
 from .prompt_cache import PromptCache
 from .requests import (
     Cancel,
@@ -61,19 +74,26 @@ from .requests import (
     GenerationRequest,
     Message,
     Outcome,
+    PromptProgress,
     Rejection,
+    SamplingParams,
+    Segment,
     Stop,
     Submit,
     TokenEvent,
     Usage,
 )
 from .sampling import Guarded, SamplerPool, top_logprobs
+from .segments import split_prompt
+from .speculation import DraftModel, SpeculativeLane
 from .stops import StopMatcher
 from .warmup import (
+    WARMUP_MARGIN,
     Readiness,
     ReadinessState,
     Status,
     WarmupFailed,
+    verify_speculation,
     verify_warmup,
     warmup_spec,
 )
@@ -117,11 +137,29 @@ class _Live:
     detokenizer: Any
     stopper: StopMatcher
     sampler: Guarded | None = None
+    processors: list[GuardedProcessor] | None = None  # made once, when first considered
     cached: int = 0
     completion_tokens: int = 0
-    uid: int | None = None
+    uid: int | None = None  # in the batch (None: queued, or in the speculative lane)
+    cuts: deque[Segment] = field(default_factory=deque)  # what the next prompt cuts store
     stop_hit: bool = False
     started: float = field(default_factory=time.monotonic)
+
+
+def check_logit_bias(p: SamplingParams, vocab: int | None) -> None:
+    """Refuse `logit_bias` token ids outside the model's logits (mlx-lm would
+    index out of bounds)."""
+    if vocab is not None and any(not 0 <= t < vocab for t, _ in p.logit_bias):
+        raise ValueError(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1})")
+
+
+@dataclass(frozen=True)
+class _Emitted:
+    """A token from the speculative lane, shaped as the batch's responses."""
+
+    token: int
+    logprobs: Any
+    finish_reason: str | None
 
 
 def materialize(model: Any) -> None:
@@ -148,8 +186,11 @@ class Engine:
         *,
         coordinator: Coordinator | None = None,
         metrics: EngineMetrics | None = None,
+        draft: DraftModel | None = None,
     ):
         materialize(model)
+        if draft is not None:
+            materialize(draft.model)
         self.model = model
         self.tokenizer = tokenizer
         self.plan = plan
@@ -162,6 +203,7 @@ class Engine:
             self.options.prompt_cache_size, self.options.prompt_cache_bytes
         )
         self.max_context = self.options.max_context
+        self._untrimmable = any(p.window is not None or p.kind == "state" for p in plan.layers)
         self._inbox: queue.Queue[Message] = queue.Queue()
         self._sinks: dict[int, EventSink] = {}  # submitted requests not yet accepted
         self._pending: deque[_Live] = deque()
@@ -178,8 +220,24 @@ class Engine:
             )  # fmt: skip
             self.budget = Ledger([share])
             self.capacity = self.budget.capacity(capacity_tokens(self.max_context))
-        self._samplers = SamplerPool()
+        # what a speculative sequence's draft-model caches cost (one row, no batch)
+        self._draft_cost = (
+            None
+            if self.budget is None or draft is None
+            else CostModel.from_plan(
+                draft.plan, prefill_step=self.options.prefill_step_size, prompt_rows=1
+            )
+        )
+        # mlx_lm.server's XTC special tokens: the newline's tokens and EOS
+        self._samplers = SamplerPool(
+            xtc_special=(*tokenizer.encode("\n"), *tokenizer.eos_token_ids)
+        )
+        self.grammars = Grammars(tokenizer)
+        if not self.grammars.available:
+            log.warning("response_format json_object/json_schema will get 400: %s",
+                        self.grammars.reason)  # fmt: skip
         self._eos = StopSequences([(t,) for t in tokenizer.eos_token_ids])
+        self._eos_ids = frozenset(tokenizer.eos_token_ids)
         self._kv_fraction = (0, 0)  # (quantized KV slots, KV slots) last seen
         self._lock = threading.Lock()  # guards _closed, the inbox and the request sets
         self._closed: str | None = None  # reason new requests are refused
@@ -188,6 +246,10 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="mlx-kvq-engine", daemon=True)
         self._bg: BatchGenerator | None = None
         self._batch_size = 0  # sequences decoded together in the last step
+        self.draft = draft
+        self._lane = (
+            None if draft is None else SpeculativeLane(model, draft, self.options.prefill_step_size)
+        )
 
     # ------------------------------------------------------------ public API
     def start(self) -> None:
@@ -291,6 +353,12 @@ class Engine:
             400, "kv_budget_exceeded",
         )  # fmt: skip
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may name: the width of the model's logits once
+        the warm-up has seen them, the tokenizer's size before."""
+        return self._samplers.vocab or len(self.tokenizer)
+
     def cancel(self, request_id: int) -> None:
         """Drop a request (client gone); a no-op once it has finished."""
         self._inbox.put(Cancel(request_id))
@@ -314,7 +382,7 @@ class Engine:
             self.readiness.set_ready(verdict.report or {})
             self._publish()
             while not self._failed.is_set():
-                commands = self._collect(block=not (self._live or self._pending))
+                commands = self._collect(block=not (self._live or self._pending or self._lane_busy))
                 commands = self.coordinator.step(commands, self._status())
                 self._apply(commands)
                 if commands.stop:
@@ -322,6 +390,8 @@ class Engine:
                 self._admit()
                 if self._live:
                     self._step()
+                if self._lane_busy:
+                    self._lane_step()
                 self._publish()
             self._shutdown(SHUTTING_DOWN, normal=True)
         except Exception as e:  # the engine is dead: say why, everywhere
@@ -343,6 +413,9 @@ class Engine:
         with self._lock:
             self._closed = reason
             ended = list(self._live.values()) + list(self._pending)
+            if self._lane_busy:
+                ended.append(self._lane.owner)
+                self._lane.drop()
             self._live, self._pending = {}, deque()
             self._queued.clear()
             self._prompting.clear()
@@ -450,6 +523,14 @@ class Engine:
         self._pending = kept
         for request_id in ids:
             self._dequeue(request_id)
+        if self._lane_busy and self._lane.owner.request.id in ids:
+            live = self._lane.owner
+            self._lane.drop()
+            self._release(live)
+            self.metrics.count_request(Outcome.CANCELLED)
+            log.info(
+                "request %d cancelled after %d tokens", live.request.id, live.completion_tokens
+            )
         uids = [uid for uid, live in self._live.items() if live.request.id in ids]
         if uids:
             self._bg.remove(uids)
@@ -462,37 +543,104 @@ class Engine:
                 )
 
     def _admit(self) -> None:
-        """Insert queued requests into the batch, in order, while a decode slot is
-        free, fewer than `prompt_concurrency` prompts are being processed, and
-        (with a budget) the head of the queue's worst case fits what is left;
-        the prompt cache yields to it, the entry it reuses last."""
+        """Start queued requests, in order, while there is room: a decode slot,
+        fewer than `prompt_concurrency` prompts being processed, and (with a
+        budget) room for the worst case of the request at the head of the
+        queue, the prompt cache yielding to it (the entry it reuses last).
+        Nothing overtakes a request that waits.
+
+        Speculative decoding runs one sequence, so it pays only while that
+        sequence is all the engine does: a request asking for it gets the
+        lane when nothing else is running or waiting. Any other request then
+        moves the lane's sequence into the batch first (its cache and the
+        tokens so far go with it), so no request is slowed down by another
+        one's speculation. The batch says the same text for greedy decoding,
+        and a sample of the same distribution otherwise. Seeded requests
+        never speculate: the speculative loop draws from the key chain in
+        another order than the batch does, and a seed must give one text.
+        Nor do requests with logits processors (penalties, `logit_bias`, a
+        grammar): mlx-lm's speculative loop shows them only the tokens since
+        the cached prefix, and a grammar's state cannot follow a sequence
+        moved into the batch; the batch applies them over the whole context.
+        A request whose draft-model caches do not fit the budget next to its
+        own is decoded in the batch.
+        """
         if self.budget is not None and not self._live:
             self.budget.settle()  # an empty batch holds nothing any more
-        while (
-            self._pending
-            and len(self._live) < self.options.decode_concurrency
-            and len(self._prompting) < self.options.prompt_concurrency
-        ):
-            live = self._pending[0]
-            if self.budget is not None:
-                shape = self._shape(live.request)
-                if not self.budget.fits(shape):
-                    break  # it waits: sequences finishing will make room
-                self.budget.reserve(live.request.id, shape)
-                # the prompt cache yields before the copy it reuses is made
-                # (that entry last: it is made the most recently used)
-                self.prompt_cache.touch(list(live.request.prompt))
-                self._trim_prompt_cache()
-            self._pending.popleft()
-            self._dequeue(live.request.id)
+        waiting: deque[_Live] = deque()
+        while self._pending:
+            live = self._pending.popleft()
             try:
+                if live.processors is None:
+                    check_logit_bias(live.request.params, self._samplers.vocab)
+                    live.processors = make_processors(live.request.params, self.grammars)
+                if waiting:  # a request ahead of it waits: so does it
+                    waiting.append(live)
+                    continue
+                speculate = (
+                    self._lane is not None
+                    and live.request.draft_tokens > 0
+                    and live.request.params.seed is None
+                    and not live.processors
+                )
+                idle = not (self._live or self._lane_busy or self._pending)
+                if speculate and idle and self._reserve(live, lane=True):
+                    self._dequeue(live.request.id)
+                    self._start_speculation(live)
+                    self.metrics.count_draft_request(speculative=True)
+                    continue
+                if len(self._live) + self._lane_busy >= self.options.decode_concurrency:
+                    waiting.append(live)
+                    continue
+                if self._lane_busy:
+                    self._move_to_batch()
+                if len(self._prompting) >= self.options.prompt_concurrency or not self._reserve(
+                    live
+                ):
+                    waiting.append(live)
+                    continue
+                self._dequeue(live.request.id)
                 self._insert(live)
+                if live.request.draft_tokens > 0:
+                    self.metrics.count_draft_request(speculative=False)
             except Exception as e:  # noqa: BLE001 - this request's settings, not the engine
+                if self._lane is not None and self._lane.owner is live:
+                    self._lane.drop()
+                self._dequeue(live.request.id)
                 self._fail(live, e)
+        self._pending = waiting
         self._trim_prompt_cache()
         self._measure()
 
-    def _insert(self, live: _Live) -> None:
+    def _reserve(self, live: _Live, lane: bool = False) -> bool:
+        """Reserve `live`'s worst case in the budget if it fits (always, without
+        a budget); on the speculative lane its draft model's caches too, and
+        both sides keep up to `num_draft_tokens` + 1 rewound tokens. The prompt
+        cache yields to it before the copy it reuses is made."""
+        if self.budget is None:
+            return True
+        shape, extra = self._shape(live.request), 0
+        if lane:
+            keep = live.request.draft_tokens + 1
+            shape = Shape(shape.prompt + keep, shape.total + keep)
+            extra = self._draft_cost.bound([shape]) if self._draft_cost is not None else 0
+        if not self.budget.fits(shape, extra):
+            return False
+        self.budget.reserve(live.request.id, shape, extra)
+        self.prompt_cache.touch(list(live.request.prompt))
+        self._trim_prompt_cache()
+        return True
+
+    def _max_tokens(self, request: GenerationRequest) -> int:
+        """The request's token limit, clamped to the context the plan allows."""
+        max_tokens = request.params.max_tokens
+        if self.max_context is not None:
+            max_tokens = min(max_tokens, self.max_context - len(request.prompt))
+        return max_tokens
+
+    def _prepare(self, live: _Live) -> tuple[list[int], list, int]:
+        """The request's prompt, sampler, and the prompt cache's best cache for
+        it (a fresh one when none matches) with how many tokens it holds."""
         prompt = list(live.request.prompt)
         live.sampler = self._samplers.get(live.request.params)
         cache, cached = self.prompt_cache.fetch(prompt)
@@ -500,20 +648,113 @@ class Engine:
             cache, cached = self.plan.make_cache(), 0
         live.cached = cached
         self.metrics.record_cached_tokens(cached)
-        max_tokens = live.request.params.max_tokens
-        if self.max_context is not None:
-            max_tokens = min(max_tokens, self.max_context - len(prompt))
-        (uid,) = self._bg.insert(
-            [prompt[cached:]],
+        return prompt, cache, cached
+
+    def _insert(self, live: _Live) -> None:
+        prompt, cache, cached = self._prepare(live)
+        max_tokens = self._max_tokens(live.request)
+        pieces, cuts = split_prompt(prompt, cached, self._checkpoints(live.request))
+        live.cuts = deque(cuts)
+        (uid,) = self._bg.insert_segments(
+            [pieces],
             max_tokens=[max_tokens],
             caches=[cache],
             all_tokens=[prompt[:cached]],
             samplers=[live.sampler],
+            logits_processors=[live.processors],
             stop_sequences=[self._eos],
         )
         live.uid = uid
         self._live[uid] = live
         self._prompting.add(uid)
+
+    # ------------------------------------------------------- speculative lane
+    @property
+    def _lane_busy(self) -> bool:
+        return self._lane is not None and self._lane.busy
+
+    def _start_speculation(self, live: _Live) -> None:
+        """Give the lane to `live`, with the prompt cache's best cache for its prompt."""
+        prompt, cache, cached = self._prepare(live)
+        self._lane.start(
+            live,
+            prompt,
+            cache,
+            cached,
+            max_tokens=self._max_tokens(live.request),
+            num_draft_tokens=live.request.draft_tokens,
+            sampler=live.sampler,
+            checkpoints=self._checkpoints(live.request),
+        )
+
+    def _move_to_batch(self) -> None:
+        """The lane's sequence goes on in the batch: its cache, its tokens so
+        far, what is left of its token limit (see `_admit`)."""
+        live = self._lane.owner
+        cache, held, rest = self._lane.take(live.completion_tokens, leave=1)
+        if live.completion_tokens:
+            pieces, cuts = [rest], []
+        else:  # still prefilling: the rest of the prompt, cut where the prompt cache keeps copies
+            pieces, cuts = split_prompt(held + rest, len(held), self._checkpoints(live.request))
+        live.cuts = deque(cuts)
+        (uid,) = self._bg.insert_segments(
+            [pieces],
+            max_tokens=[self._max_tokens(live.request) - live.completion_tokens],
+            caches=[cache],
+            all_tokens=[held],
+            samplers=[live.sampler],
+            logits_processors=[live.processors],
+            stop_sequences=[self._eos],
+        )
+        live.uid = uid
+        self._live[uid] = live
+        self._prompting.add(uid)  # what is left goes through the prompt batch
+        if self.budget is not None:
+            self.budget.drop_extra(live.request.id)  # the draft's caches are gone
+        self.metrics.count_draft_moved()
+        log.info(
+            "request %d moves from speculative decoding to the batch after %d tokens",
+            live.request.id, live.completion_tokens,
+        )  # fmt: skip
+
+    def _lane_step(self) -> None:
+        """One unit of the lane's work: a prefill chunk or one draft-and-verify cycle."""
+        live = self._lane.owner
+        try:
+            work = self._lane.step()
+        except Exception as e:  # noqa: BLE001 - this request's decoding failed, not the engine
+            self._lane.drop()
+            self._fail(live, e)
+            return
+        self.metrics.record_step(
+            work.prompt_tokens, work.prompt_time, len(work.tokens), work.decode_time
+        )
+        for tokens, cache, segment in work.snapshots:
+            if self.prompt_cache.max_entries:
+                self._store_prompt(tokens, cache, segment)
+        if work.tokens:
+            self.metrics.record_drafts(work.proposed, sum(t.from_draft for t in work.tokens))
+        max_tokens = self._max_tokens(live.request)
+        for t in work.tokens:
+            reason = None
+            if t.token in self._eos_ids:
+                reason = FinishReason.STOP.value
+            elif live.completion_tokens + 1 >= max_tokens:
+                reason = FinishReason.LENGTH.value
+            try:
+                done = self._on_token(live, _Emitted(t.token, t.logprobs, reason))
+            except Exception as e:  # noqa: BLE001 - detokenizing this request failed
+                self._lane.drop()
+                self._fail(live, e)
+                return
+            if live.sampler.error is not None:
+                self._lane.drop()
+                self._fail(live, live.sampler.take_error())
+                return
+            if done:
+                cache, tokens, _ = self._lane.take(live.completion_tokens)
+                self._complete(live, FinishReason(reason or "stop"), cache, tokens)
+                return
 
     def _step(self) -> None:
         with self._bg.stats() as stats:
@@ -523,6 +764,7 @@ class Engine:
         )
         self._prompting.difference_update(r.uid for r in prompt_responses if r.end_of_prompt)
         self._snapshot_prompts(prompt_responses)
+        self._send_progress(prompt_responses)
         self._batch_size = len(responses)
         stopped = []
         for r in responses:
@@ -546,14 +788,24 @@ class Engine:
         self._check_budget()
 
     def _fail_sampling_errors(self) -> None:
-        """Fail the requests whose sampler raised during the step (see sampling.Guarded)."""
+        """Fail the requests whose sampler or logits processor raised during the
+        step (see sampling.Guarded and processors.GuardedProcessor)."""
         failed = {id(v.sampler): v.sampler for v in self._live.values() if v.sampler.error}
-        if not failed:
-            return
-        for live in [v for v in self._live.values() if id(v.sampler) in failed]:
-            self._fail(live, live.sampler.error)
+        for live in list(self._live.values()):
+            error = next((p.error for p in live.processors or () if p.error is not None), None)
+            if id(live.sampler) in failed:
+                error = live.sampler.error
+            if error is not None:
+                self._fail(live, error)
         for sampler in failed.values():
             sampler.take_error()
+
+    def _send_progress(self, prompt_responses: list) -> None:
+        """Tell requests that asked for it how far their prompt's prefill is."""
+        for r in prompt_responses:
+            live = self._live.get(r.uid)
+            if live is not None and live.request.progress:
+                live.sink(PromptProgress(*r.progress))
 
     def _fail(self, live: _Live, error: Exception) -> None:
         """End one request with an error; the batch and the engine go on."""
@@ -567,20 +819,26 @@ class Engine:
         live.sink(ErrorEvent(f"this request failed: {type(error).__name__}: {error}", 500))
         self.metrics.count_request(Outcome.ERROR)
 
-    def _snapshot_prompts(self, prompt_responses: list) -> None:
-        """Cache each prompt as soon as it is processed (all but its last token).
+    def _checkpoints(self, request: GenerationRequest) -> tuple:
+        """The request's checkpoints, when some cache of the plan cannot be
+        trimmed back (otherwise the longest entry serves every prefix)."""
+        return request.checkpoints if self._untrimmable else ()
 
-        The next turn of a conversation starts with this prompt, so this entry
-        is an exact prefix of it: reusable even by caches that cannot trim
-        (sliding windows that have wrapped), as in mlx-lm's segment caching.
-        """
+    def _snapshot_prompts(self, prompt_responses: list) -> None:
+        """Cache each prompt at its cuts as it is processed (`engine.segments`):
+        the system prompt, the prompt before its think tail, all but its last
+        token. Later prompts start with these exact prefixes, so the entries
+        are reusable even by caches that cannot trim (sliding windows that
+        have wrapped), as in mlx-lm's segment caching."""
         if self.prompt_cache.max_entries == 0:
             return
         done = [r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt]
         done = [uid for uid in done if uid in self._live]
         if done:
-            for cache, tokens in self._bg.extract_cache(done).values():
-                self._store_prompt(tokens, cache)
+            for uid, (cache, tokens) in self._bg.extract_cache(done).items():
+                cuts = self._live[uid].cuts
+                segment = cuts.popleft() if cuts else Segment.CONTEXT
+                self._store_prompt(tokens, cache, segment)
 
     def _on_token(self, live: _Live, r: Any) -> bool:
         """Emit one token's event; True when the sequence is done."""
@@ -604,12 +862,17 @@ class Engine:
     def _finish(
         self, uid: int, reason: FinishReason, cache: list | None, tokens: list[int] | None
     ) -> None:
-        live = self._live.pop(uid)
+        self._complete(self._live.pop(uid), reason, cache, tokens)
+
+    def _complete(
+        self, live: _Live, reason: FinishReason, cache: list | None, tokens: list[int] | None
+    ) -> None:
+        """Answer `live` with its finish event and keep its cache for reuse."""
         self._release(live)
         if live.stop_hit:
             reason = FinishReason.STOP
         if cache is not None and tokens:
-            self._store_prompt(tokens, cache)
+            self._store_prompt(tokens, cache, Segment.ANSWER)
         usage = Usage(len(live.request.prompt), live.completion_tokens, live.cached)
         live.sink(FinishEvent(reason, usage))
         self.metrics.count_request(Outcome.OK)
@@ -642,26 +905,38 @@ class Engine:
         if self.coordinator.leader and len(self.budget.shares) > 1:
             log.info("%s", self.capacity.line)  # the group's (a process logs its own at startup)
 
-    def _cache_budget(self) -> int | None:
-        """Prompt-cache byte cap left once live sequences are counted: mlx-lm's
-        rule for --prompt-cache-bytes, and the room the KV budget leaves next to
-        the admitted sequences' reservations (one process: measured bytes)."""
-        caps = []
-        if self.options.prompt_cache_bytes is not None and self._bg is not None:
-            caps.append(self.options.prompt_cache_bytes - self._bg.prompt_cache_nbytes)
-        if self.budget is not None and len(self.budget.shares) == 1:
-            caps.append(self.budget.room())
-        return min(caps) if caps else None
-
-    def _store_prompt(self, tokens: list[int], cache: list) -> None:
+    def _store_prompt(
+        self, tokens: list[int], cache: list, segment: Segment = Segment.ANSWER
+    ) -> None:
         """Keep a sequence's cache in the prompt cache within the byte caps and
         the room the KV budget leaves; in a group, only once every rank has
         room for it by its bound (evicting the oldest entries first)."""
         if self.budget is not None and len(self.budget.shares) > 1:
             if not self._yield_group_prompt_cache(len(tokens)):
                 return
-        self.prompt_cache.insert(list(tokens), cache, self._cache_budget())
+        self.prompt_cache.insert(list(tokens), cache, self._cache_budget(), segment)
         self._measure()
+
+    def _live_caches(self) -> list:
+        """Every cache live sequences hold: the batch's and the speculative lane's."""
+        lane = self._lane.caches() if self._lane_busy else []
+        return self._batch_caches() + lane
+
+    def live_kv_bytes(self) -> int:
+        """KV bytes live sequences hold (batch, lane, draft model), measured."""
+        batch = 0 if self._bg is None else self._bg.prompt_cache_nbytes
+        return batch + (self._lane.nbytes if self._lane_busy else 0)
+
+    def _cache_budget(self) -> int | None:
+        """Prompt-cache byte cap left once live sequences are counted: mlx-lm's
+        rule for --prompt-cache-bytes, and the room the KV budget leaves next to
+        the admitted sequences' reservations (one process)."""
+        caps = []
+        if self.options.prompt_cache_bytes is not None and self._bg is not None:
+            caps.append(self.options.prompt_cache_bytes - self.live_kv_bytes())
+        if self.budget is not None and len(self.budget.shares) == 1:
+            caps.append(self.budget.room())
+        return min(caps) if caps else None
 
     def _trim_prompt_cache(self) -> None:
         budget = self._cache_budget()
@@ -709,7 +984,7 @@ class Engine:
         cache insertion."""
         if self.budget is None or self._bg is None:
             return
-        live = int(self._bg.prompt_cache_nbytes)
+        live = self.live_kv_bytes()
         held = self.prompt_cache.nbytes
         if not self.budget.check(live, held):
             log.error(
@@ -719,7 +994,7 @@ class Engine:
             )  # fmt: skip
 
     def _publish(self) -> None:
-        report = cache_report(self._batch_caches()) if self._live else []
+        report = cache_report(self._live_caches()) if self._live or self._lane_busy else []
         by_kind: dict[str, int] = {}
         kv = quantized = 0
         for slot in report:
@@ -747,6 +1022,42 @@ class Engine:
         )
 
     # ------------------------------------------------------------ warm-up
+    def _warmup_speculation(self, filler: list[int]) -> dict:
+        """One greedy sequence through the lane, past every window of both
+        models, drafting and rewinding; the caches it leaves are checked."""
+        windows = [self.plan.max_window or 0, self.draft.plan.max_window or 0]
+        n = max(*windows, self.kv_config.quantized_start) + WARMUP_MARGIN
+        k = self.draft.num_draft_tokens
+        prompt = (filler * (n // len(filler) + 1))[:n]
+        want = 4 * (k + 1)
+        self._lane.start(
+            "warm-up", prompt, self.plan.make_cache(), 0,
+            max_tokens=want, num_draft_tokens=k, sampler=greedy_sampler,
+        )  # fmt: skip
+        generated = accepted = 0
+        for _ in range(n + want):  # prefill chunks, then cycles of at least one token
+            work = self._lane.step()
+            generated += len(work.tokens)
+            accepted += sum(t.from_draft for t in work.tokens)
+            if generated >= want:
+                break
+        target, draft = self._lane.model_cache, self._lane.draft_cache
+        held = [
+            (c.keys.length, c.max_size)
+            for c in target + draft
+            if isinstance(c, KVQWindowCache) and c.keys is not None
+        ]
+        report = verify_speculation(
+            self.kv_config, cache_report(target), cache_report(draft), held, k
+        )
+        self._lane.take(generated)
+        report.update(
+            draft_model=self.draft.name, num_draft_tokens=k, prompt_tokens=n,
+            generated=generated, accepted=accepted,
+        )  # fmt: skip
+        log.info("speculative warm-up: %d tokens, %d drafted tokens accepted", generated, accepted)
+        return report
+
     def _warmup(self) -> WarmupVerdict:
         """Run the readiness warm-up through the real batch path; this rank's verdict."""
         t0 = time.monotonic()
@@ -785,6 +1096,12 @@ class Engine:
             log.error("%s", e)
             return WarmupVerdict(False, error=str(e))
         del finished, longest_cache
+        if self._lane is not None:
+            try:
+                report["speculative"] = self._warmup_speculation(filler)
+            except Exception as e:  # noqa: BLE001 - the draft path does not work: not ready
+                log.error("speculative warm-up failed: %s", e)
+                return WarmupVerdict(False, error=f"speculative warm-up failed: {e}")
         mx.clear_cache()
         report["seconds"] = round(time.monotonic() - t0, 3)
         kv = [s for s in batch_report if s["kind"] in KV_KINDS]

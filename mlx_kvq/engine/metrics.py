@@ -48,6 +48,7 @@ class MetricsSnapshot:
     prompt_cache_hits: int
     prompt_cache_misses: int
     prompt_cache_evictions: int
+    prompt_cache_by_segment: tuple[tuple[str, int, int], ...]  # (segment, entries, bytes)
     prompt_tokens: int
     generation_tokens: int
     cached_prompt_tokens: int
@@ -56,6 +57,10 @@ class MetricsSnapshot:
     steps: int
     rejections: dict[str, int] = field(default_factory=dict)
     budget: BudgetFigures | None = None
+    draft_requests: dict[str, int] = field(default_factory=dict)  # served "speculative"/"batch"
+    draft_requests_moved: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
 
     @property
     def kv_quantized_fraction(self) -> float:
@@ -83,6 +88,10 @@ class EngineMetrics:
     steps: int = 0
     rejections: Counter = field(default_factory=Counter)
     budget: BudgetFigures | None = None
+    draft_requests: Counter = field(default_factory=Counter)
+    draft_requests_moved: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
     # (time, prompt tokens, prompt seconds, generated tokens, decode seconds)
     _recent: deque = field(default_factory=deque)
 
@@ -116,6 +125,22 @@ class EngineMetrics:
             self.generation_tokens += gen_tokens
             self._recent.append((now, prompt_tokens, prompt_time, gen_tokens, decode_time))
             self._expire(now)
+
+    def count_draft_request(self, speculative: bool) -> None:
+        """A request asking for speculative decoding, by how it started (in the
+        speculative lane, or in the batch because the engine was busy or it is seeded)."""
+        with self._lock:
+            self.draft_requests["speculative" if speculative else "batch"] += 1
+
+    def count_draft_moved(self) -> None:
+        """A speculative sequence moved into the batch (another request arrived)."""
+        with self._lock:
+            self.draft_requests_moved += 1
+
+    def record_drafts(self, proposed: int, accepted: int) -> None:
+        with self._lock:
+            self.draft_tokens_proposed += proposed
+            self.draft_tokens_accepted += accepted
 
     def record_cached_tokens(self, n: int) -> None:
         with self._lock:
@@ -171,6 +196,7 @@ class EngineMetrics:
                 prompt_cache_hits=pc.hits,
                 prompt_cache_misses=pc.misses,
                 prompt_cache_evictions=pc.evictions,
+                prompt_cache_by_segment=pc.by_segment,
                 prompt_tokens=self.prompt_tokens,
                 generation_tokens=self.generation_tokens,
                 cached_prompt_tokens=self.cached_prompt_tokens,
@@ -179,4 +205,8 @@ class EngineMetrics:
                 steps=self.steps,
                 rejections=dict(self.rejections),
                 budget=self.budget,
+                draft_requests=dict(self.draft_requests),
+                draft_requests_moved=self.draft_requests_moved,
+                draft_tokens_proposed=self.draft_tokens_proposed,
+                draft_tokens_accepted=self.draft_tokens_accepted,
             )

@@ -6,6 +6,13 @@ prefix with its prompt: directly when the entry is a prefix of the prompt,
 or trimmed back when the prompt diverges inside the entry (only caches that
 can trim, e.g. a window that has not wrapped yet).
 
+Entries are tagged with the `Segment` they hold (a system prompt, a prompt
+prefix, a prompt with its answer) and evicted in mlx-lm's server's order
+(`LRUPromptCache.CacheOrder`: answers first while they are at least as
+many as the prefixes, then prefixes while at least as many as the system
+prompts, least recently used first within a kind), so the system prompt a
+new conversation starts with outlives the answers of old ones.
+
 Both caps are checked on the one insert path and whenever the byte budget
 shrinks, and bytes are the caches' own `nbytes`, measured on insert.
 """
@@ -14,13 +21,14 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from .requests import Segment
 
 
 def cache_nbytes(cache: list[Any]) -> int:
@@ -55,6 +63,10 @@ def common_prefix(a: tuple[int, ...], b: list[int]) -> int:
 class _Entry:
     cache: list[Any]
     nbytes: int
+    segment: Segment
+
+
+_EVICTION_ORDER = (Segment.ANSWER, Segment.CONTEXT, Segment.SYSTEM)
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,7 @@ class PromptCacheStats:
     misses: int
     evictions: int
     rejected: int
+    by_segment: tuple[tuple[str, int, int], ...] = ()  # (segment, entries, bytes)
 
 
 class PromptCache:
@@ -80,7 +93,8 @@ class PromptCache:
     def __init__(self, max_entries: int = 10, max_bytes: int | None = None):
         self.max_entries = max(0, max_entries)
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._entries: dict[tuple[int, ...], _Entry] = {}
+        self._order = LRUPromptCache.CacheOrder([s.value for s in _EVICTION_ORDER])
         self._nbytes = 0
         self._lock = threading.Lock()
         self._hits = self._misses = self._evictions = self._rejected = 0
@@ -94,9 +108,14 @@ class PromptCache:
 
     def stats(self) -> PromptCacheStats:
         with self._lock:
+            by_segment = tuple(
+                (s.value, sum(1 for e in self._entries.values() if e.segment is s),
+                 sum(e.nbytes for e in self._entries.values() if e.segment is s))
+                for s in Segment
+            )  # fmt: skip
             return PromptCacheStats(
                 len(self._entries), self._nbytes, self.max_entries, self.max_bytes,
-                self._hits, self._misses, self._evictions, self._rejected,
+                self._hits, self._misses, self._evictions, self._rejected, by_segment,
             )  # fmt: skip
 
     def _best(self, tokens: list[int]) -> tuple[tuple[int, ...] | None, int, int]:
@@ -116,13 +135,20 @@ class PromptCache:
                 best_key, best_len, best_trim = key, use, trim
         return best_key, best_len, best_trim
 
+    def _use(self, key: tuple[int, ...]) -> _Entry:
+        """Mark an entry as just used (the last of its kind to be evicted)."""
+        entry = self._entries[key]
+        self._order.remove(None, key)
+        self._order.push(None, key, entry.segment.value)
+        return entry
+
     def touch(self, tokens: list[int]) -> None:
-        """Make the entry `fetch(tokens)` would use the most recently used, so
-        that evictions before the fetch take it last."""
+        """Mark the entry `fetch(tokens)` would use as just used, so that
+        evictions before the fetch take it last of its kind."""
         with self._lock:
             key = self._best(tokens)[0]
             if key is not None:
-                self._entries.move_to_end(key)
+                self._use(key)
 
     def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         """A private copy of the best cache for `tokens` and how many tokens it covers.
@@ -136,8 +162,7 @@ class PromptCache:
             if best_key is None:
                 self._misses += 1
                 return None, 0
-            self._entries.move_to_end(best_key)
-            cache = copy.deepcopy(self._entries[best_key].cache)
+            cache = copy.deepcopy(self._use(best_key).cache)
         if best_trim:
             if trim_prompt_cache(cache, best_trim) != best_trim:
                 with self._lock:
@@ -148,8 +173,15 @@ class PromptCache:
             self._hits += 1
         return cache, best_len
 
-    def insert(self, tokens: list[int], cache: list[Any], budget: int | None = None) -> bool:
-        """Store `cache` (covering `tokens`); False if it alone exceeds the byte cap.
+    def insert(
+        self,
+        tokens: list[int],
+        cache: list[Any],
+        budget: int | None = None,
+        segment: Segment = Segment.ANSWER,
+    ) -> bool:
+        """Store `cache` (covering `tokens`) as `segment`; False if it alone
+        exceeds the byte cap.
 
         `budget` further lowers the byte cap for this call (bytes live
         sequences already hold), as mlx-lm's server does.
@@ -164,35 +196,37 @@ class PromptCache:
                 self._rejected += 1
                 self._evict(cap)
                 return False
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._nbytes -= old.nbytes
-            # room first: the copy below never puts the cache over its cap
-            self._evict(None if cap is None else cap - need, spare=1)
+            if key in self._entries:
+                self._drop(key)
+            if cap is not None and self._nbytes + need > cap:
+                # bytes first: the copy below never puts the cache over its cap
+                # (the entry count is kept after the insertion, in mlx-lm's order)
+                self._evict(cap - need)
         own_copy(cache)
         nbytes = cache_nbytes(cache)
         with self._lock:
             if can_trim_prompt_cache(cache):
                 # A trimmable longer cache serves every prefix: drop those.
                 for k in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
-                    self._nbytes -= self._entries.pop(k).nbytes
-            self._entries[key] = _Entry(cache, nbytes)
+                    self._drop(k)
+            self._entries[key] = _Entry(cache, nbytes, segment)
+            self._order.push(None, key, segment.value)
             self._nbytes += nbytes
             self._evict(cap)
         return True
 
     def token_counts(self) -> list[int]:
-        """How many tokens each entry covers, oldest first."""
+        """How many tokens each entry covers."""
         with self._lock:
             return [len(k) for k in self._entries]
 
     def evict_oldest(self) -> bool:
-        """Evict the least recently used entry; False when there is none."""
+        """Evict the next entry in eviction order; False when there is none."""
         with self._lock:
             if not self._entries:
                 return False
-            _, entry = self._entries.popitem(last=False)
-            self._nbytes -= entry.nbytes
+            _, key = self._order.pop()
+            self._nbytes -= self._entries.pop(key).nbytes
             self._evictions += 1
             return True
 
@@ -205,13 +239,14 @@ class PromptCache:
         caps = [c for c in (self.max_bytes, budget) if c is not None]
         return max(0, min(caps)) if caps else None
 
-    def _evict(self, cap: int | None, spare: int = 0) -> None:
-        """Evict the oldest entries until at most `cap` bytes and `max_entries`
-        less `spare` entries are held."""
+    def _drop(self, key: tuple[int, ...]) -> None:
+        self._nbytes -= self._entries.pop(key).nbytes
+        self._order.remove(None, key)
+
+    def _evict(self, cap: int | None) -> None:
         while self._entries and (
-            len(self._entries) > self.max_entries - spare
-            or (cap is not None and self._nbytes > cap)
+            len(self._entries) > self.max_entries or (cap is not None and self._nbytes > cap)
         ):
-            _, entry = self._entries.popitem(last=False)
-            self._nbytes -= entry.nbytes
+            _, key = self._order.pop()
+            self._nbytes -= self._entries.pop(key).nbytes
             self._evictions += 1

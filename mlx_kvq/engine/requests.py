@@ -22,6 +22,23 @@ class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens, or the end of the context
 
 
+class Segment(str, Enum):
+    """What a prompt-cache entry holds, as mlx-lm's server names it; eviction
+    takes answers first, then context, then system prompts (mlx-lm's order)."""
+
+    SYSTEM = "system"  # the system prompt: a new conversation can start from it
+    CONTEXT = "user"  # a prefix of a prompt (before its think tail, or all but its last token)
+    ANSWER = "assistant"  # a prompt and the answer generated for it
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Store the prompt cache after the first `length` prompt tokens, as `segment`."""
+
+    length: int
+    segment: Segment
+
+
 class Outcome(str, Enum):
     """How a request ended, as counted in `/metrics` (`mlx_kvq_requests_total`)."""
 
@@ -42,7 +59,14 @@ class Rejection(str, Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. `temperature == 0` is greedy decoding."""
+    """How one request samples. `temperature == 0` is greedy decoding.
+
+    The penalties, `logit_bias` and XTC have mlx-lm's meanings and defaults
+    (`mlx_lm.sample_utils.make_logits_processors` / `make_sampler`, the values
+    `mlx_lm.server` uses when a request leaves them out); a penalty of 0 is
+    off. `grammar` is an llguidance grammar (JSON text) that the output must
+    match (`response_format`), or None.
+    """
 
     max_tokens: int
     temperature: float = 0.0
@@ -53,6 +77,22 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    repetition_penalty: float = 0.0
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:  # lists from JSON (other ranks) become tuples
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(
+            self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias)
+        )
 
 
 @dataclass(frozen=True)
@@ -62,9 +102,16 @@ class GenerationRequest:
     prompt: tuple[int, ...]
     params: SamplingParams
     id: int = field(default_factory=lambda: next(_ids))
+    progress: bool = False  # send `PromptProgress` events while the prompt is processed
+    # Where the prompt cache keeps a copy while the prompt is processed, besides
+    # all but the last token (see `engine.segments`).
+    checkpoints: tuple[Checkpoint, ...] = ()
+    # Tokens the draft model proposes per step (speculative decoding); 0: none.
+    draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", tuple(self.prompt))
+        object.__setattr__(self, "checkpoints", tuple(self.checkpoints))
 
 
 @dataclass(frozen=True)
@@ -112,7 +159,16 @@ class ErrorEvent:
     retry_after: int | None = None  # seconds, for a refusal worth retrying (429)
 
 
-Event = TokenEvent | FinishEvent | ErrorEvent
+@dataclass(frozen=True)
+class PromptProgress:
+    """`processed` of the `total` prompt tokens this request prefills are done
+    (sent after each prefill step, to requests that asked for progress)."""
+
+    processed: int
+    total: int
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent | PromptProgress
 EventSink = Callable[[Event], None]
 
 

@@ -129,14 +129,7 @@ def verify_warmup(
     seen = sum(k["slots"] for kind, k in batch.items() if kind in KV_KINDS)
     if kv_slots is not None and seen != kv_slots:
         problems.append(f"the batch held {seen} KV caches, the plan has {kv_slots}")
-    if kv.enabled and not kv.allow_partial:
-        for where, kinds in (("batch", batch), ("extracted", extracted)):
-            for kind, s in kinds.items():
-                if kind in KV_KINDS and s["quantized"] < s["slots"]:
-                    problems.append(
-                        f"{s['slots'] - s['quantized']} of {s['slots']} {kind} caches "
-                        f"were not quantized ({where})"
-                    )
+    problems += unquantized(kv, {"batch": batch, "extracted": extracted})
     if problems:
         raise WarmupFailed(
             "warm-up did not exercise the configured KV layout: " + "; ".join(problems)
@@ -147,6 +140,40 @@ def verify_warmup(
         "batch": batch,
         "extracted": extracted,
     }
+
+
+def unquantized(kv: KVConfig, summaries: dict[str, dict]) -> list[str]:
+    """Problems: KV caches left unquantized where the setting quantizes all
+    (`summaries`: where -> `summarize` of a cache report)."""
+    if not kv.enabled or kv.allow_partial:
+        return []
+    return [
+        f"{s['slots'] - s['quantized']} of {s['slots']} {kind} caches were not quantized ({where})"
+        for where, kinds in summaries.items()
+        for kind, s in kinds.items()
+        if kind in KV_KINDS and s["quantized"] < s["slots"]
+    ]
+
+
+def verify_speculation(
+    kv: KVConfig,
+    target_report: list[dict],
+    draft_report: list[dict],
+    windows: list[tuple[int, int]],
+    num_draft_tokens: int,
+) -> dict[str, Any]:
+    """Check the speculative warm-up: both models' KV caches quantized as
+    configured, every window within its size plus one rewindable step
+    (`windows`: (slots held, window size) per window cache)."""
+    target, draft = summarize(target_report), summarize(draft_report)
+    problems = []
+    problems += unquantized(kv, {"model": target, "draft model": draft})
+    for held, size in windows:
+        if held > size + num_draft_tokens + 1:
+            problems.append(f"a window of {size} held {held} slots")
+    if problems:
+        raise WarmupFailed("speculative warm-up: " + "; ".join(problems))
+    return {"model": target, "draft": draft}
 
 
 def check_batch_path(

@@ -1,7 +1,7 @@
 """The FastAPI app: the routers of this package over one engine.
 
 HTTP only. `openai.py` answers OpenAI's endpoints, `probes.py` the probes and
-metrics, `web.py` the page at `/` and `/status`; errors leave in OpenAI's body shape (`errors.py`); `lifecycle.py`
+metrics, `web.py` the page at `/` and `/status`, `api_doc.py` `/openapi.json`; errors leave in OpenAI's body shape (`errors.py`); `lifecycle.py`
 refuses new requests while the process drains. Starting, stopping and
 signals belong to the process that runs the app (`mlx_kvq.commands`).
 """
@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mlx_kvq.blas import blas_info
 from mlx_kvq.engine import Engine
 
+from .api_doc import openapi_document
 from .auth import api_key_check
 from .errors import APIError, error_response, validation_message
 from .lifecycle import InFlightMiddleware, Lifecycle
@@ -34,7 +35,8 @@ __all__ = ["Lifecycle", "ServerSettings", "create_app"]
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     """The app serving `engine`; `app.state.lifecycle` is how its process drains it."""
-    app = FastAPI(title="mlx-kvq", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="mlx-kvq", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = lambda: cached_openapi(app)
     app.state.engine = engine
     app.state.settings = settings
     app.state.lifecycle = Lifecycle()
@@ -77,3 +79,10 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         openai_router(engine, settings, api_key_check(settings.api_key, engine.metrics))
     )
     return app
+
+
+def cached_openapi(app: FastAPI) -> dict:
+    """The app's OpenAPI document, built on first use."""
+    if app.openapi_schema is None:
+        app.openapi_schema = openapi_document(app)
+    return app.openapi_schema

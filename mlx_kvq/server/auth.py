@@ -1,4 +1,4 @@
-"""The API key check on /v1 (a FastAPI dependency)."""
+"""The API key check on the OpenAI routes (a FastAPI dependency)."""
 
 from __future__ import annotations
 

@@ -72,5 +72,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     msgs = []
     for e in errors[:3]:
         where = ".".join(str(x) for x in e.get("loc", ()))
-        msgs.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+        msg = e.get("msg")
+        if e.get("type") == "extra_forbidden":
+            msg = "this server does not support this field (docs/server.md lists those it takes)"
+        msgs.append(f"{where}: {msg}" if where else str(msg))
     return "invalid request: " + "; ".join(msgs), param

@@ -1,44 +1,78 @@
 """OpenAI's endpoints: `/v1/models`, `/v1/chat/completions`, `/v1/completions`.
 
-Requests are size-checked, parsed (`body.py`), validated (`schemas.py`),
-turned into token ids and handed to the engine as a `Generation`; the
-answer leaves as JSON or as server-sent events in OpenAI's shapes.
+The two completion endpoints also answer without `/v1` (`/chat/completions`,
+`/completions`), as mlx_lm.server's chat endpoint does. Requests are
+size-checked, parsed (`body.py`), validated (`schemas.py`; every field's
+treatment is in `fields.py`), turned into token ids and handed to the
+engine as a `Generation`; the answer leaves as JSON or as server-sent events
+in OpenAI's shapes, a chat answer split into content, reasoning and tool
+calls as mlx_lm.server splits it (`chat_output.py`, `tools.py`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from mlx_kvq.engine import (
     Engine,
     FinishEvent,
     GenerationRequest,
     Outcome,
+    PromptProgress,
     SamplingParams,
     TokenEvent,
 )
-from mlx_kvq.engine.prompts import chat_tokens, completion_tokens
+from mlx_kvq.engine.processors import json_grammar
+from mlx_kvq.engine.prompts import (
+    chat_tokens,
+    completion_tokens,
+    has_chat_template,
+    template_variables,
+)
+from mlx_kvq.engine.segments import chat_checkpoints
 
 from . import schemas
 from .body import BodyError, parse_body
+from .chat_output import OutputSplitter
 from .errors import APIError, error_body, validation_message
 from .settings import ServerSettings
-from .streams import SSE_DONE, Generation, event_stream, sse
+from .streams import IDLE, SSE_DONE, Generation, event_stream, keepalive, sse
+from .tools import ToolChoiceError, tool_policy, tools_refusal
+from .variants import DEFAULT_MODEL_ALIAS, VariantError, check_adapter, draft_tokens
 
-DEFAULT_MODEL_ALIAS = "default_model"  # what clients written for mlx_lm.server send
+log = logging.getLogger("mlx_kvq.server")
+
+# OpenAI fields a chat template may read as variables (gpt-oss's reads reasoning_effort)
+TEMPLATE_FIELDS = ("reasoning_effort", "verbosity")
+
+
+def template_fields(body: Any, variables: frozenset[str]) -> tuple[dict[str, Any], str | None]:
+    """The `TEMPLATE_FIELDS` set in `body` as template variables, and the first
+    one set that the template (reading `variables`) does not read, or None."""
+    fields = {n: getattr(body, n) for n in TEMPLATE_FIELDS if getattr(body, n) is not None}
+    unread = next((n for n in fields if n not in variables), None)
+    return fields, unread
 
 
 def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> APIRouter:
-    """The `/v1` routes; `auth` is the dependency that checks the API key."""
-    from fastapi import Depends
-
-    router = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
+    """The OpenAI routes; `auth` is the dependency that checks the API key."""
+    router = APIRouter(dependencies=[Depends(auth)])
     token_text = schemas.TokenText(engine.tokenizer)
+    splitter = OutputSplitter(engine.tokenizer)
+    variables = template_variables(engine.tokenizer)
+    templated = has_chat_template(engine.tokenizer)
+    log.info(
+        "chat answers: reasoning %s, tool calls %s",
+        "separated" if splitter.thinking else "not marked by this tokenizer",
+        "parsed" if splitter.tools else "not parsed (no parser for this model: tools get 400)",
+    )
 
     def reject(status: int, message: str, **kw: Any) -> APIError:
         engine.metrics.count_request(Outcome.REJECTED)
@@ -75,12 +109,31 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
                 param="model",
                 code="model_not_found",
             )
+        try:
+            check_adapter(parsed, settings)
+        except VariantError as e:
+            raise reject(400, e.message, param=e.param) from None
         return parsed
 
-    def sampling(body: Any, logprobs: bool, top: int) -> SamplingParams:
+    def drafting(body: Any) -> int:
+        """Tokens drafted per step for this request (0: no speculative decoding)."""
+        try:
+            return draft_tokens(body, settings)
+        except VariantError as e:
+            raise reject(400, e.message, param=e.param) from None
+
+    def sampling(body: Any, logprobs: bool, top: int, grammar: str | None = None) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
+        vocab = engine.vocab_size
+        for token, _ in body.logit_bias_pairs:
+            if token >= vocab:
+                raise reject(
+                    400,
+                    f"logit_bias: token id {token} is outside the vocabulary (0..{vocab - 1})",
+                    param="logit_bias",
+                )
         return SamplingParams(
             max_tokens=pick(body.token_limit, settings.max_tokens),
             temperature=pick(body.temperature, settings.temperature),
@@ -91,6 +144,16 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
             stop=body.stop_strings,
             logprobs=logprobs,
             top_logprobs=top,
+            repetition_penalty=pick(body.repetition_penalty, 0.0),
+            repetition_context_size=pick(body.repetition_context_size, 20),
+            presence_penalty=pick(body.presence_penalty, 0.0),
+            presence_context_size=pick(body.presence_context_size, 20),
+            frequency_penalty=pick(body.frequency_penalty, 0.0),
+            frequency_context_size=pick(body.frequency_context_size, 20),
+            logit_bias=body.logit_bias_pairs,
+            xtc_probability=pick(body.xtc_probability, 0.0),
+            xtc_threshold=pick(body.xtc_threshold, 0.1),
+            grammar=grammar,
         )
 
     def check_length(prompt: list[int]) -> None:
@@ -105,33 +168,89 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
                 code="context_length_exceeded",
             )
 
-    @router.get("/models")
+    def template_args(body: schemas.ChatCompletionRequest) -> dict[str, Any]:
+        args = {**settings.chat_template_args, **(body.chat_template_kwargs or {})}
+        fields, unread = template_fields(body, variables)
+        if unread is not None:
+            raise reject(
+                400,
+                f"{unread} cannot be honoured: this model's chat template does not read '{unread}'",
+                param=unread,
+            )
+        args = {**fields, **args}
+        if body.role_mapping is not None and templated:
+            raise reject(
+                400,
+                "role_mapping applies only to models without a chat template; this one has one",
+                param="role_mapping",
+            )
+        return args
+
+    async def grammar_of(fmt: schemas.ResponseFormat | None, prompt: list[int]) -> str | None:
+        """The llguidance grammar of `response_format` (None for text), or a 400."""
+        if fmt is None or fmt.type == "text":
+            return None
+        if splitter.initial_state(prompt) != "normal":
+            raise reject(
+                400,
+                "response_format cannot constrain an answer that starts inside the model's "
+                'reasoning; turn thinking off (chat_template_kwargs: {"enable_thinking": false})',
+                param="response_format",
+            )
+        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+        try:
+            grammar = json_grammar(schema if fmt.type == "json_schema" else None)
+        except ValueError as e:
+            raise reject(400, f"response_format: {e}", param="response_format") from None
+        error = await run_in_threadpool(engine.grammars.check, grammar)
+        if error:
+            raise reject(400, f"response_format cannot be used: {error}", param="response_format")
+        return grammar
+
     async def models() -> dict[str, Any]:
         return schemas.models_body(settings.model_id, settings.created)
 
-    @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, schemas.ChatCompletionRequest)
-        template_args = {**settings.chat_template_args, **(body.chat_template_kwargs or {})}
-        messages = [m.as_template_dict() for m in body.messages]
         try:
-            prompt = chat_tokens(engine.tokenizer, messages, template_args, body.tools)
+            policy = tool_policy(body.tool_choice)
+        except ToolChoiceError as e:
+            raise reject(400, str(e), param="tool_choice") from None
+        tools = body.template_tools if policy.render else None
+        refusal = tools_refusal(splitter.tools, variables) if tools else None
+        if refusal is not None:
+            raise reject(400, f"tools cannot be honoured: {refusal}", param="tools")
+        messages = [m.as_template_dict() for m in body.messages]
+        args = template_args(body)
+        try:
+            prompt = chat_tokens(engine.tokenizer, messages, args, tools, body.role_mapping)
         except Exception as e:  # template errors are the request's fault
             raise reject(400, f"could not apply the chat template: {e}", param="messages") from e
         check_length(prompt)
-        params = sampling(body, body.logprobs, body.top_logprobs or 0)
-        generation = Generation(engine, GenerationRequest(prompt, params))
+        grammar = await grammar_of(body.response_format, prompt)
+        want_logprobs = body.want_logprobs
+        params = sampling(body, want_logprobs, max(body.top_logprobs or 0, 0), grammar)
+        checkpoints = chat_checkpoints(engine.tokenizer, messages, prompt, args, tools)
+        job = GenerationRequest(
+            prompt, params, progress=body.stream, checkpoints=checkpoints,
+            draft_tokens=drafting(body),
+        )  # fmt: skip
+        generation = Generation(engine, job)
         await generation.start()
         cid, model = schemas.new_id("chatcmpl"), settings.model_id
+        output = splitter.start(prompt, policy.parse, body.template_tools, body.stream)
 
         def logprobs(events: list[TokenEvent]) -> dict | None:
-            return schemas.chat_logprobs(events, token_text) if body.logprobs else None
+            return schemas.chat_logprobs(events, token_text) if want_logprobs else None
 
         if not body.stream:
             tokens, fin = await generation.collect(request)
-            text = "".join(t.text for t in tokens)
+            answer = output.feed("".join(t.text for t in tokens))
+            rest, reason = output.finish(fin.reason.value)
+            answer.add(rest)
+            message = schemas.chat_message(answer.content, answer.reasoning, answer.tool_calls)
             return JSONResponse(
-                schemas.chat_body(cid, model, text, fin.reason, fin.usage, logprobs(tokens))
+                schemas.chat_body(cid, model, message, reason, fin.usage, logprobs(tokens))
             )
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -142,18 +261,18 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
             async for ev in generation.events():
                 if isinstance(ev, TokenEvent):
                     pending.append(ev)
-                    if ev.text:
-                        yield sse(
-                            schemas.chat_chunk(
-                                cid, model, {"content": ev.text}, None, logprobs(pending)
-                            )
-                        )
+                    delta = output.feed(ev.text)
+                    if delta:
+                        yield sse(schemas.chat_chunk(cid, model, delta.fields(), None,
+                                                     logprobs(pending)))  # fmt: skip
                         pending = []
+                elif isinstance(ev, PromptProgress) or ev is IDLE:
+                    yield keepalive(ev)
                 elif isinstance(ev, FinishEvent):
+                    delta, reason = output.finish(ev.reason.value)
                     usage = None if include_usage else ev.usage
-                    yield sse(
-                        schemas.chat_chunk(cid, model, {}, ev.reason, logprobs(pending), usage)
-                    )
+                    yield sse(schemas.chat_chunk(cid, model, delta.fields(), reason,
+                                                 logprobs(pending), usage))  # fmt: skip
                     if include_usage:
                         yield sse(schemas.chat_chunk(cid, model, None, usage=ev.usage))
                     yield SSE_DONE
@@ -162,7 +281,6 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
 
         return event_stream(chunks())
 
-    @router.post("/completions")
     async def completions(request: Request) -> Response:
         body = await read_body(request, schemas.CompletionRequest)
         prompt_input = body.prompt_input
@@ -172,10 +290,10 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
                 raise reject(400, "prompt token ids out of the vocabulary range", param="prompt")
         prompt = completion_tokens(engine.tokenizer, prompt_input)
         check_length(prompt)
-        want_logprobs = body.logprobs is not None
-        generation = Generation(
-            engine, GenerationRequest(prompt, sampling(body, want_logprobs, body.logprobs or 0))
-        )
+        want_logprobs = body.want_logprobs
+        params = sampling(body, want_logprobs, body.top_count)
+        job = GenerationRequest(prompt, params, progress=body.stream, draft_tokens=drafting(body))
+        generation = Generation(engine, job)
         await generation.start()
         cid, model = schemas.new_id("cmpl"), settings.model_id
 
@@ -204,6 +322,8 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
                         yield sse(schemas.completion_body(cid, model, ev.text, None, None, lp))
                         offset += len(ev.text)
                         pending = []
+                elif isinstance(ev, PromptProgress) or ev is IDLE:
+                    yield keepalive(ev)
                 elif isinstance(ev, FinishEvent):
                     usage = None if include_usage else ev.usage
                     lp = logprobs(pending, offset)
@@ -218,4 +338,8 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
 
         return event_stream(chunks())
 
+    router.add_api_route("/v1/models", models, methods=["GET"])
+    for prefix in ("/v1", ""):  # mlx_lm.server answers /chat/completions without /v1 too
+        router.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
+        router.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
     return router

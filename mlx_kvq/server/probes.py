@@ -41,17 +41,24 @@ def probes_router(engine: Engine, settings: ServerSettings) -> APIRouter:
             return JSONResponse(body, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
         if state.status is Status.FAILED:
             return JSONResponse({"status": state.status.value, "reason": state.reason}, 503)
-        return JSONResponse(
-            {
-                "status": "ok",
-                "model": settings.model_id,
-                "plan": plan_health(settings.plan),
-                "kv_budget": engine.capacity.to_dict() if engine.capacity else None,
-                "warmup": state.report,
-                "blas": blas_info().to_dict(),
-                "native_kernels": native_status().summary(),
+        body = {
+            "status": "ok",
+            "model": settings.model_id,
+            "plan": plan_health(settings.plan),
+            "kv_budget": engine.capacity.to_dict() if engine.capacity else None,
+            "warmup": state.report,
+            "blas": blas_info().to_dict(),
+            "native_kernels": native_status().summary(),
+        }
+        if settings.adapter_path is not None:
+            body["adapter_path"] = settings.adapter_path
+        if engine.draft is not None:
+            body["draft_model"] = {
+                "model": engine.draft.name,
+                "num_draft_tokens": engine.draft.num_draft_tokens,
+                "plan": engine.draft.plan.summary(),
             }
-        )
+        return JSONResponse(body)
 
     @router.get("/metrics")
     async def metrics() -> Response:
@@ -100,6 +107,7 @@ def plan_health(plan: dict[str, Any]) -> dict[str, Any]:
     out["bits"] = {
         "keys": kv.get("key_bits") if kv.get("key_bits") is not None else kv.get("bits"),
         "values": kv.get("value_bits") if kv.get("value_bits") is not None else kv.get("bits"),
+        "windows": kv.get("window_bits"),  # bounded layers' width (None: as keys/values)
         "group_size": kv.get("group_size"),
         "rotation": kv.get("rotation"),
         "quantized_kv_start": kv.get("quantized_start"),

@@ -58,6 +58,20 @@ class EngineCollector(Collector):
             yield _gauge(
                 "prompt_cache_max_bytes", "Prompt cache byte cap", s.prompt_cache_max_bytes
             )
+        entries = GaugeMetricFamily(
+            P + "prompt_cache_segment_entries",
+            "Prompt cache entries by what they hold (system prompt, prompt prefix, "
+            "prompt and answer; mlx-lm's names)",
+            labels=["segment"],
+        )
+        held = GaugeMetricFamily(
+            P + "prompt_cache_segment_bytes", "Prompt cache bytes by segment", labels=["segment"]
+        )
+        for segment, n, nbytes in s.prompt_cache_by_segment:
+            entries.add_metric([segment], float(n))
+            held.add_metric([segment], float(nbytes))
+        yield entries
+        yield held
         yield _counter(
             "prompt_cache_hits", "Requests that reused a cached prefix", s.prompt_cache_hits
         )
@@ -105,6 +119,8 @@ class EngineCollector(Collector):
             "mlx_peak_memory_bytes", "MLX peak memory of this process", mx.get_peak_memory()
         )
         yield from _rank_families(self.engine.coordinator.ranks())
+        if self.engine.draft is not None:
+            yield from _draft_families(s)
 
 
 def _budget_families(b):
@@ -148,6 +164,30 @@ def _rank_families(ranks: list[RankView]):
         for view in ranks:
             family.add_metric([str(view.rank)], float(getattr(view, field)))
         yield family
+
+
+def _draft_families(s):
+    """Speculative decoding (only with a draft model)."""
+    served = CounterMetricFamily(
+        P + "draft_requests",
+        "Requests asking for speculative decoding, by where they started (speculative "
+        "decoding while nothing else ran, or the batch: the engine was busy or a seed was set)",
+        labels=["served"],
+    )
+    for lane in ("speculative", "batch"):
+        served.add_metric([lane], float(s.draft_requests.get(lane, 0)))
+    yield served
+    yield _counter(
+        "draft_requests_moved",
+        "Speculative sequences that moved into the batch when another request arrived",
+        s.draft_requests_moved,
+    )
+    yield _counter(
+        "draft_tokens_proposed", "Tokens the draft model proposed", s.draft_tokens_proposed
+    )
+    yield _counter(
+        "draft_tokens_accepted", "Proposed tokens the model accepted", s.draft_tokens_accepted
+    )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

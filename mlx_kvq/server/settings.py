@@ -22,6 +22,9 @@ class ServerSettings:
     top_k: int = 0
     min_p: float = 0.0
     chat_template_args: dict[str, Any] = field(default_factory=dict)
+    adapter_path: str | None = None  # the adapter the model was loaded with (--adapter-path)
+    draft_model: str | None = None  # the draft model speculative decoding uses (--draft-model)
+    num_draft_tokens: int = 3  # tokens drafted per step by default (--num-draft-tokens)
     max_context: int | None = None
     plan: dict[str, Any] = field(default_factory=dict)  # KVPlan.to_dict(), or the group's
     allowed_origins: tuple[str, ...] = ("*",)

@@ -4,6 +4,11 @@
 handler's event loop: all at once (`collect`, for a JSON answer) or one by
 one (`events`, for server-sent events). Either way a client that goes away
 gets its request cancelled in the engine at once, which frees its memory.
+
+A stream is kept alive with SSE comment lines while no token flows, as
+mlx_lm.server does: `: keepalive N/M` after each prefill step of a long
+prompt (the engine's `PromptProgress`), and `: keepalive` after
+`KEEPALIVE_S` seconds without any event (a request waiting for a batch slot).
 """
 
 from __future__ import annotations
@@ -16,11 +21,21 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from mlx_kvq.engine import Engine, ErrorEvent, Event, FinishEvent, GenerationRequest, TokenEvent
+from mlx_kvq.engine import (
+    Engine,
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    GenerationRequest,
+    PromptProgress,
+    TokenEvent,
+)
 
 from .errors import APIError
 
 _DISCONNECTED = object()  # queued when the client of a non-streaming request goes away
+KEEPALIVE_S = 15.0  # seconds without an event before a stream gets a keep-alive comment
+IDLE = object()  # what `events` yields after KEEPALIVE_S seconds without an event
 
 
 class Generation:
@@ -69,6 +84,8 @@ class Generation:
                     raise APIError(499, "client disconnected")
                 if isinstance(event, TokenEvent):
                     tokens.append(event)
+                elif isinstance(event, PromptProgress):
+                    continue
                 elif isinstance(event, FinishEvent):
                     return tokens, event
                 else:
@@ -76,21 +93,31 @@ class Generation:
         finally:
             watcher.cancel()
 
-    async def events(self) -> AsyncIterator[Event]:
-        """Events up to and including the last one (a finish or an error).
+    async def events(self, idle_s: float = KEEPALIVE_S) -> AsyncIterator[Event | object]:
+        """Events up to and including the last one (a finish or an error), and
+        `IDLE` whenever `idle_s` seconds pass without one.
 
         A streaming client that leaves closes this iterator early (Starlette
         cancels the response), which cancels the request.
         """
         done = False
+        waiting: asyncio.Task | None = None
         try:
             while True:
-                event = await self._next()
+                if waiting is None:
+                    waiting = asyncio.ensure_future(self._next())
+                finished, _ = await asyncio.wait({waiting}, timeout=idle_s)
+                if not finished:
+                    yield IDLE
+                    continue
+                event, waiting = waiting.result(), None
                 yield event
-                if not isinstance(event, TokenEvent):
+                if isinstance(event, FinishEvent | ErrorEvent):
                     done = True
                     return
         finally:
+            if waiting is not None:
+                waiting.cancel()
             if not done:
                 self.engine.cancel(self.request.id)
 
@@ -104,6 +131,13 @@ class Generation:
 def sse(data: Any) -> str:
     """One server-sent event."""
     return f"data: {json.dumps(data)}\n\n"
+
+
+def keepalive(event: PromptProgress | object) -> str:
+    """The SSE comment that keeps a stream alive (mlx_lm.server's words)."""
+    if isinstance(event, PromptProgress):
+        return f": keepalive {event.processed}/{event.total}\n\n"
+    return ": keepalive\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

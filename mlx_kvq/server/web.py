@@ -128,7 +128,8 @@ def plan_status(plan: dict[str, Any]) -> dict[str, Any]:
     out = {k: plan.get(k) for k in keys}
     kv = plan.get("kv_config", {})
     out["kv_config"] = {
-        k: kv.get(k) for k in ("bits", "key_bits", "value_bits", "group_size", "rotation")
+        k: kv.get(k)
+        for k in ("bits", "key_bits", "value_bits", "window_bits", "group_size", "rotation")
     }
     out["kv_config"]["quantized_kv_start"] = kv.get("quantized_start")
     out["slots"] = plan_slots(plan)

@@ -38,6 +38,8 @@ function renderPlan(plan) {
     ? ` (${(plan.bytes_per_token / plan.fp16_bytes_per_token).toFixed(2)}x of 16-bit)` : "";
   $("plan-config").textContent =
     `keys ${keyBits ? keyBits + "-bit" : "16-bit"}, values ${valueBits ? valueBits + "-bit" : "16-bit"}` +
+    (kv.window_bits !== null && kv.window_bits !== undefined
+      ? `, bounded layers ${kv.window_bits ? kv.window_bits + "-bit" : "16-bit"}` : "") +
     (keyBits || valueBits ? `, group ${kv.group_size}, rotation ${kv.rotation}` : "") +
     (kv.quantized_kv_start ? `, quantized from token ${kv.quantized_kv_start}` : "") +
     `; ${plan.bytes_per_token} bytes per token${perToken}`;

@@ -1,0 +1,364 @@
+"""Measure KV quantization schemes before building them (fake quantization).
+
+    python scripts/quality_explore.py                 # every scheme, 4 windows per text
+    python scripts/quality_explore.py --windows 8 --only per-channel
+    python scripts/quality_explore.py --render        # the table from docs/quality_explore.json
+
+Which storage schemes are worth a real cache layout? This script answers it
+cheaply on the demo model and its two texts: each layer's cache keeps the
+exact K/V and hands attention a *fake-quantized* copy (quantized, then
+dequantized in float32), so a scheme is a few lines here instead of a cache
+layout for every kind. Schemes (per layer kind, sliding or full):
+
+- per-token affine quantization along the head dimension in groups of `g`
+  (what `mx.quantize` and the package's caches do), optionally after a
+  Hadamard rotation, for keys and values separately;
+- per-channel key quantization (KIVI): keys quantized along the tokens, in
+  groups of `G` tokens per channel; the tokens of a group not yet complete
+  stay in full precision (KIVI) or, with `partial`, are quantized as they
+  are (isolating the effect of the grouping from that of the full-precision
+  tail);
+- a full-precision window of the `R` most recent tokens (KIVI's residual).
+
+Every layer keeps its whole history (a sliding layer's window is applied by
+its mask, as mlx-lm's `KVCache.make_mask(window_size=...)` does), so the
+model computes what it computes with the real caches; per-token schemes
+quantize each token once, when it arrives, exactly as the package's caches
+do (4-bit: KL 3.34e-3 here against 3.37e-3 through the real caches on the
+same 16 windows of docs/quality.md's first table). Results go to
+docs/quality_explore.json and between `<!-- BEGIN explore -->` markers in
+docs/quality.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx_lm.models import cache as mlx_cache  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mlx_kvq.evaluate import cut_windows, load_eval_inputs  # noqa: E402
+
+DOC = REPO / "docs" / "quality.md"
+RAW = REPO / "docs" / "quality_explore.json"
+FP = {"kb": None, "vb": None}
+
+
+def _s(kb, vb, kg=64, vg=64, **kw) -> dict:
+    return {"kb": kb, "vb": vb, "kg": kg, "vg": vg, **kw}
+
+
+# name -> (group, description, {"sliding": scheme, "full": scheme} or one scheme for both)
+SCHEMES: dict[str, tuple[str, dict]] = {
+    "4-bit": ("baseline", _s(4, 4)),
+    "4-bit, full layers only": ("layer kind", {"sliding": FP, "full": _s(4, 4)}),
+    "4-bit, sliding layers only": ("layer kind", {"sliding": _s(4, 4), "full": FP}),
+    "4-bit, layer 0 only": ("layer kind", {"layers": [0], **_s(4, 4)}),
+    "4-bit, layer 4 only": ("layer kind", {"layers": [4], **_s(4, 4)}),
+    "K4, values exact": ("keys", _s(4, None)),
+    "K4 + rot, values exact": ("keys", _s(4, None, krot=True)),
+    "K4 g32, values exact": ("keys", _s(4, None, kg=32)),
+    "K4 per-channel G32, values exact": ("keys", _s(4, None, kg=32, kmode="channel")),
+    "K4 per-channel G128, values exact": ("keys", _s(4, None, kg=128, kmode="channel")),
+    "K4 per-channel G32 + rot, values exact": (
+        "keys",
+        _s(4, None, kg=32, kmode="channel", krot=True),
+    ),
+    "V4, keys exact": ("values", _s(None, 4)),
+    "V4 g32, keys exact": ("values", _s(None, 4, vg=32)),
+    "V4 + rot, keys exact": ("values", _s(None, 4, vrot=True)),
+    "4-bit, last 32 tokens exact": ("residual", _s(4, 4, R=32)),
+    "4-bit, last 128 tokens exact": ("residual", _s(4, 4, R=128)),
+    "sliding 8-bit, full 4-bit": ("per kind", {"sliding": _s(8, 8), "full": _s(4, 4)}),
+    "sliding 6-bit, full 4-bit": ("per kind", {"sliding": _s(6, 6), "full": _s(4, 4)}),
+    "sliding 5-bit, full 4-bit": ("per kind", {"sliding": _s(5, 5), "full": _s(4, 4)}),
+    "sliding 8-bit, full K4/V3 + rot": (
+        "per kind",
+        {"sliding": _s(8, 8), "full": _s(4, 3, krot=True, vrot=True)},
+    ),
+    "sliding 8-bit, full K4/V3 + keys rot": (
+        "per kind",
+        {"sliding": _s(8, 8), "full": _s(4, 3, krot=True)},
+    ),
+    "sliding 8-bit, full 3-bit": ("per kind", {"sliding": _s(8, 8), "full": _s(3, 3)}),
+    "sliding 8-bit, full 3-bit + keys rot": (
+        "per kind",
+        {"sliding": _s(8, 8), "full": _s(3, 3, krot=True)},
+    ),
+    "sliding 8-bit, full K3 per-channel G128 (partial groups quantized) / V3": (
+        "per-channel",
+        {"sliding": _s(8, 8), "full": _s(3, 3, kg=128, kmode="channel", partial=True)},
+    ),
+    "sliding 8-bit, full K3 per-channel G128 (partial group exact) / V3": (
+        "per-channel",
+        {"sliding": _s(8, 8), "full": _s(3, 3, kg=128, kmode="channel")},
+    ),
+    "sliding 8-bit, full 3-bit + keys rot, last 64 tokens exact": (
+        "residual",
+        {"sliding": _s(8, 8), "full": _s(3, 3, krot=True, R=64)},
+    ),
+    "sliding 8-bit, full 2-bit + rot": (
+        "per kind",
+        {"sliding": _s(8, 8), "full": _s(2, 2, krot=True, vrot=True)},
+    ),
+    "sliding 8-bit, full K2 per-channel G128 (partial groups quantized) / V2": (
+        "per-channel",
+        {"sliding": _s(8, 8), "full": _s(2, 2, kg=128, kmode="channel", partial=True)},
+    ),
+}
+
+
+# -- fake quantization ---------------------------------------------------------------
+def rot(x: mx.array) -> mx.array:
+    return mx.hadamard_transform(x, scale=1.0 / math.sqrt(x.shape[-1]))
+
+
+def affine(x: mx.array, bits: int, g: int) -> mx.array:
+    """Quantize-dequantize along the last axis in groups of `g`: `mx.quantize`
+    with 16-bit scales and biases where it applies, the same affine rule
+    (min/max per group) otherwise."""
+    if g in (32, 64, 128) and x.shape[-1] % g == 0:
+        w, s, b = mx.quantize(x, group_size=g, bits=bits)
+        s = s.astype(mx.float16).astype(mx.float32)
+        b = b.astype(mx.float16).astype(mx.float32)
+        return mx.dequantize(w, s, b, group_size=g, bits=bits)
+    shape = x.shape
+    y = x.reshape(*shape[:-1], shape[-1] // g, g)
+    lo, hi = y.min(-1, keepdims=True), y.max(-1, keepdims=True)
+    n = 2**bits - 1
+    s = mx.maximum(hi - lo, 1e-8) / n
+    return (mx.clip(mx.round((y - lo) / s), 0, n) * s + lo).reshape(shape)
+
+
+def per_token(x: mx.array, bits: int | None, g: int, rotated: bool) -> mx.array:
+    if bits is None:
+        return x
+    y = affine(rot(x) if rotated else x, bits, g)
+    return rot(y) if rotated else y
+
+
+def per_channel(x: mx.array, bits: int | None, g: int, rotated: bool) -> mx.array:
+    """(B, H, N, D) quantized along the N tokens, `g` tokens per group."""
+    if bits is None:
+        return x
+    y = affine((rot(x) if rotated else x).swapaxes(-1, -2), bits, g).swapaxes(-1, -2)
+    return rot(y) if rotated else y
+
+
+class FakeQuantCache(mlx_cache.KVCache):
+    """Keeps exact K/V; hands out the scheme's fake-quantized copy.
+
+    Tokens move from an exact tail to the quantized part once more than `R`
+    tokens follow them, in whole groups of `G` tokens for per-channel keys
+    (one token at a time otherwise)."""
+
+    def __init__(self, scheme: dict):
+        super().__init__()
+        self.s = scheme
+        self.qk = self.qv = self.rk = self.rv = None
+
+    def update_and_fetch(self, keys, values):
+        s = self.s
+        keys, values = keys.astype(mx.float32), values.astype(mx.float32)
+        cat = lambda a, b: b if a is None else mx.concatenate([a, b], axis=2)  # noqa: E731
+        self.rk, self.rv = cat(self.rk, keys), cat(self.rv, values)
+        self.offset += keys.shape[2]
+        channel = s.get("kmode") == "channel"
+        group = s["kg"] if channel else 1
+        move = max(0, (self.rk.shape[2] - s.get("R", 0)) // group * group)
+        if move:
+            mk, mv = self.rk[:, :, :move], self.rv[:, :, :move]
+            self.rk, self.rv = self.rk[:, :, move:], self.rv[:, :, move:]
+            quant = per_channel if channel else per_token
+            self.qk = cat(self.qk, quant(mk, s["kb"], s["kg"], s.get("krot", False)))
+            self.qv = cat(self.qv, per_token(mv, s["vb"], s["vg"], s.get("vrot", False)))
+            mx.eval(self.qk, self.qv)
+        rk, rv = self.rk, self.rv
+        if s.get("partial") and rk.shape[2]:
+            n = rk.shape[2]
+            krot = s.get("krot", False)
+            rk = per_channel(rk, s["kb"], n, krot) if n > 1 else per_token(rk, s["kb"], 64, krot)
+            rv = per_token(rv, s["vb"], s["vg"], s.get("vrot", False))
+        ks = [a for a in (self.qk, rk) if a is not None and a.shape[2]]
+        vs = [a for a in (self.qv, rv) if a is not None and a.shape[2]]
+        self.keys = ks[0]
+        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+        return k.astype(keys.dtype), v.astype(values.dtype)
+
+
+def make_caches(model, scheme: dict) -> list:
+    out = []
+    exact = dict(FP, kg=64, vg=64)
+    for i, c in enumerate(model.make_cache()):
+        kind = "sliding" if isinstance(c, mlx_cache.RotatingKVCache) else "full"
+        if kind in scheme:
+            out.append(FakeQuantCache({**exact, **scheme[kind]}))
+        elif "layers" in scheme:
+            out.append(FakeQuantCache(scheme if i in scheme["layers"] else exact))
+        else:
+            out.append(FakeQuantCache(scheme))
+    return out
+
+
+def _layer_bits(s: dict, held: int) -> float:
+    """Bits per element of one layer holding `held` tokens under scheme `s`,
+    with the exact (full-precision) tail at its average length: `R` tokens,
+    plus half a group for per-channel keys whose incomplete group stays exact."""
+
+    def cost(bits, group):
+        return 16.0 if bits is None else bits + 32 / group
+
+    k, v = cost(s.get("kb"), s.get("kg", 64)), cost(s.get("vb"), s.get("vg", 64))
+    if s.get("kb") is None and s.get("vb") is None:
+        return 16.0
+    tail = s.get("R", 0)
+    if s.get("kmode") == "channel" and not s.get("partial"):
+        tail += (s["kg"] - 1) / 2
+    tail = min(tail, held)
+    return ((held - tail) * (k + v) / 2 + tail * 16.0) / held
+
+
+def held_bits(model, scheme: dict, context: int = 2048) -> float:
+    """Bits per element the scheme would hold at `context` tokens (sliding
+    layers hold their window), as a real layout of it would."""
+    total = slots = 0
+    exact = dict(FP, kg=64, vg=64)
+    for i, c in enumerate(model.make_cache()):
+        sliding = isinstance(c, mlx_cache.RotatingKVCache)
+        held = min(context, c.max_size) if sliding else context
+        kind = "sliding" if sliding else "full"
+        if kind in scheme:
+            s = {**exact, **scheme[kind]}
+        elif "layers" in scheme:
+            s = scheme if i in scheme["layers"] else exact
+        else:
+            s = scheme
+        total += _layer_bits(s, held) * held
+        slots += held
+    return total / slots
+
+
+# -- measurement --------------------------------------------------------------------
+def log_probs(model, ids: mx.array, caches: list, chunk: int) -> mx.array:
+    out = []
+    for s in range(0, ids.size - 1, chunk):
+        logits = model(ids[None, s : min(ids.size - 1, s + chunk)], cache=caches)[0]
+        logits = logits.astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(lp)
+        out.append(lp)
+    return mx.concatenate(out)
+
+
+def measure(model, windows: list, base: list, scheme: dict, chunk: int) -> dict:
+    kls, agree = [], []
+    for w, lb in zip(windows, base, strict=True):
+        lq = log_probs(model, mx.array(w), make_caches(model, scheme), chunk)
+        kls.append(np.array((mx.exp(lb) * (lb - lq)).sum(-1)))
+        agree.append(np.array(mx.argmax(lq, -1) == mx.argmax(lb, -1)).astype(float))
+    se = lambda v: float(np.std(v, ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0  # noqa: E731
+    return {
+        "kl_mean": float(np.concatenate(kls).mean()),
+        "kl_mean_se": se([k.mean() for k in kls]),
+        "kl_p99": float(np.percentile(np.concatenate(kls), 99)),
+        "top1": float(np.concatenate(agree).mean()),
+        "top1_se": se([a.mean() for a in agree]),
+    }
+
+
+def run(args) -> dict:
+    model, _, texts = load_eval_inputs(None, None)
+    data = {}
+    for name, (ids, bos) in texts.items():
+        wins = cut_windows(ids, args.context, args.windows, bos)
+        base = [log_probs(model, mx.array(w), model.make_cache(), args.chunk) for w in wins]
+        data[name] = (wins, base)
+    cmd = (
+        f"python scripts/quality_explore.py --context {args.context} --chunk {args.chunk} "
+        f"--windows {args.windows}"
+    )
+    old = json.loads(RAW.read_text()) if RAW.exists() else {}
+    # --only updates a run with the same windows; other windows start afresh.
+    results = old["results"] if old.get("command") == cmd else {}
+    for label, (group, scheme) in SCHEMES.items():
+        if args.only and args.only not in (group, label):
+            continue
+        t0 = time.perf_counter()
+        res = {n: measure(model, w, b, scheme, args.chunk) for n, (w, b) in data.items()}
+        results[label] = {"group": group, "scheme": scheme, "bits": held_bits(model, scheme),
+                          "texts": res}  # fmt: skip
+        line = " | ".join(
+            f"{n}: KL {r['kl_mean']:.2e} top-1 {100 * r['top1']:.2f}%" for n, r in res.items()
+        )
+        print(f"{label}: {line} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return {"command": cmd, "results": results}
+
+
+def table(raw: dict) -> str:
+    names = list(next(iter(raw["results"].values()))["texts"])
+    lines = [
+        "| scheme | bits/elem at 2,048 | "
+        + " | ".join(f"mean KL, {n} | top-1, {n}" for n in names)
+        + " |",
+        "|---|---:|" + "---:|---:|" * len(names),
+    ]
+    order = [k for k in SCHEMES if k in raw["results"]]
+    order += [k for k in raw["results"] if k not in SCHEMES]
+    for label in order:
+        r = raw["results"][label]
+        cells = []
+        for n in names:
+            t = r["texts"][n]
+            cells += [
+                f"{t['kl_mean']:.2e} ± {t['kl_mean_se']:.1e}",
+                f"{100 * t['top1']:.2f}% ± {100 * t['top1_se']:.2f}",
+            ]
+        lines.append(f"| {label} | {r['bits']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_section(raw: dict) -> None:
+    text = DOC.read_text()
+    body = f"Regenerate with `{raw['command']}`.\n\n{table(raw)}"
+    block = f"<!-- BEGIN explore -->\n{body}\n<!-- END explore -->"
+    pattern = re.compile(r"<!-- BEGIN explore -->.*?<!-- END explore -->", re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--only", default=None, help="one group or scheme label")
+    p.add_argument("--render", action="store_true", help="rewrite the table from the JSON only")
+    args = p.parse_args(argv)
+    if args.render:
+        raw = json.loads(RAW.read_text())
+    else:
+        raw = run(args)
+        RAW.write_text(json.dumps(raw, indent=1) + "\n")
+    write_section(raw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""docs/quality.md: the default's figures are what the command beside them prints.
+
+The `default` block of docs/quality.md holds an `mlx-kvq eval` command and the
+table it prints, taken from the frontier run recorded in docs/quality.json.
+Checked here: the command evaluates the package's default setting; that
+setting is the one the documented rule (`choose_default` in
+scripts/quality_tables.py) picks from the recorded frontier; the doc shows
+the recorded numbers; and running the command on a slice (the first window
+of each text) reproduces the recorded per-window KL and top-1 figures
+within the standard error the doc states beside them (the perplexity change,
+secondary and sensitive to float summation order, within its spread across
+windows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_kvq import evaluate as ev
+from mlx_kvq.commands import build_parser
+from mlx_kvq.commands.flags import kv_config
+from mlx_kvq.defaults import DEFAULT_KV_CONFIG
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "quality.md"
+RAW = REPO / "docs" / "quality.json"
+sys.path.insert(0, str(REPO / "scripts"))
+
+import quality_tables as qt  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def frontier() -> dict:
+    return json.loads(RAW.read_text())["frontier"]["data"]
+
+
+def _block(name: str) -> str:
+    m = re.search(rf"<!-- BEGIN {name} -->(.*?)<!-- END {name} -->", DOC.read_text(), re.S)
+    assert m, f"docs/quality.md has no {name} block"
+    return m.group(1)
+
+
+def _command_args() -> argparse.Namespace:
+    cmd = re.search(r"`(mlx-kvq eval[^`]*)`", _block("default")).group(1)
+    words = shlex.split(cmd)
+    assert words[:2] == ["mlx-kvq", "eval"]
+    return build_parser().parse_args(words[1:])
+
+
+def test_the_default_is_the_rules_choice_and_the_doc_shows_the_recorded_numbers(frontier):
+    chosen = qt.choose_default(qt.rows(frontier))
+    assert qt.config_of(chosen) == DEFAULT_KV_CONFIG
+    assert qt.meets_goal(chosen)
+    assert qt.default_section(frontier) in _block("default")
+    assert qt.frontier_table(qt.rows(frontier), chosen) in _block("frontier")
+    args = _command_args()
+    assert kv_config(args) == DEFAULT_KV_CONFIG
+    assert args.text is None  # both demo texts
+
+
+def test_the_command_reproduces_the_recorded_figures_on_a_slice(frontier):
+    args = _command_args()
+    cfg = kv_config(args)
+    row = qt.choose_default(qt.rows(frontier))
+    model, _, texts = ev.load_eval_inputs(args.model, args.text)
+    assert list(texts) == list(row["texts"])
+    for name, (ids, bos) in texts.items():
+        want = row["texts"][name]
+        got = ev.evaluate(
+            model, ids, cfg, context=args.context, chunk=args.chunk, windows=args.windows,
+            bos=bos, progress=False, held_context=None, only_windows=[0],
+        )  # fmt: skip
+        for key, spread in (("kl_mean", "kl_mean_se"), ("kl_p99", "kl_p99_se"),
+                            ("top1", "top1_se")):  # fmt: skip
+            g, w = got["per_window"][key][0], want["per_window"][key][0]
+            assert abs(g - w) <= want[spread], (name, key, g, w, want[spread])
+        # The perplexity change is a difference of two nearly equal sums: float
+        # summation order (the BLAS, the native kernels) moves it by a few 1e-4,
+        # so it is held to its spread across windows (standard error x sqrt(n)).
+        g, w = got["per_window"]["d_nll"][0], want["per_window"]["d_nll"][0]
+        sd = want["rel_ppl_change_se"] * math.sqrt(len(want["per_window"]["d_nll"]))
+        assert abs(g - w) <= sd, (name, "d_nll", g, w, sd)
+    held = ev.held_storage(model, cfg, ev.HELD_CONTEXT)
+    assert held["bits_per_element"] == pytest.approx(row["bits"], abs=1e-9)
