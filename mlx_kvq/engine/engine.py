@@ -392,6 +392,7 @@ class Engine:
                     self._step()
                 if self._lane_busy:
                     self._lane_step()
+                    self._measure()  # the lane's caches (both models) after its step
                 self._publish()
             self._shutdown(SHUTTING_DOWN, normal=True)
         except Exception as e:  # the engine is dead: say why, everywhere
