@@ -106,6 +106,7 @@ class LayerPlan:
     kv_heads: int = 0
     key_dim: int = 0
     value_dim: int = 0
+    dtype_size: int = 2  # bytes per element of the model's keys and values (unquantized)
     hand_out: str = PACKED
     skipped: bool = False
     state_bytes: int = 0
@@ -468,9 +469,9 @@ def _probe(model, caches: list, prefill: int = 2) -> tuple[object, list]:
     return counts, caches
 
 
-def _slot_shapes(c) -> tuple[int, int, int]:
-    """(kv heads, key dim, value dim) of a probed mlx-lm cache."""
-    return c.keys.shape[1], c.keys.shape[-1], c.values.shape[-1]
+def _slot_shapes(c) -> tuple[int, int, int, int]:
+    """(kv heads, key dim, value dim, bytes per element) of a probed mlx-lm cache."""
+    return c.keys.shape[1], c.keys.shape[-1], c.values.shape[-1], c.keys.dtype.size
 
 
 def plan_kv(
@@ -572,11 +573,13 @@ def plan_kv(
             # replaced by a linear layer; nothing is ever stored there.
             p = _replace(p, kind="unused")
         elif p.is_kv:
-            h, dk, dv = _slot_shapes(c)
+            h, dk, dv, size = _slot_shapes(c)
             if p.kind == "indexer":
                 dv = 0  # values are a copy of the keys, or empty: not kept
             hand_out = DEQUANTIZED if p.kind == "indexer" else p.hand_out
-            p = _replace(p, kv_heads=h, key_dim=dk, value_dim=dv, hand_out=hand_out)
+            p = _replace(
+                p, kv_heads=h, key_dim=dk, value_dim=dv, dtype_size=size, hand_out=hand_out
+            )
             if p.quantized:
                 where = f"cache slot {p.slot} ({p.kind})"
                 p.key_spec.check_dim(dk, where)

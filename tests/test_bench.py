@@ -286,3 +286,18 @@ def test_a_section_the_backend_cannot_run_is_reported_not_fatal(tmp_path, monkey
     assert any("memory section not run" in n and "no kernel" in n for n in result["notes"])
     md = (tmp_path / "bench.md").read_text()
     assert "Not run in float16" in md and "memory section not run" in md
+
+
+def test_budget_section_rows(quick_run):
+    """One budget, every KV setting: the sequences admitted at once and tokens/s."""
+    out, result = quick_run
+    section = result["budget"]
+    rows = {r["setting"]: r for r in section["rows"]}
+    assert list(rows) == ["unquantized", "8-bit", "4-bit", "default"]
+    for r in rows.values():
+        assert 1 <= r["at_once"] <= r["fits"]
+        assert _stat_ok(r["tokens_per_s"]) and _stat_ok(r["decode_tokens_per_s"])
+        assert r["overruns"] == 0 and 0 < r["peak_held"] <= section["budget"]
+    assert rows["unquantized"]["fits"] == quick().budget_unquantized
+    assert rows["default"]["fits"] >= 3 * rows["unquantized"]["fits"]
+    assert "## Serving under a KV memory budget" in (out / "bench.md").read_text()

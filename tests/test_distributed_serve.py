@@ -110,12 +110,22 @@ def check_ranks(health: dict, ref_by_kind: dict, mode: str) -> None:
     assert sum(r["kv_bytes"] for r in ranks) == sum(ref_by_kind.values())
 
 
+def check_budget(health: dict, per_rank: int | None) -> None:
+    """The group's KV budget: every rank's share, and what every rank holds."""
+    budget = health["kv_budget"]
+    assert budget["ranks"] == 2 and "per rank (2 ranks)" in budget["line"], budget
+    assert budget["sequences"] >= 1
+    if per_rank is not None:
+        assert budget["budget"] == per_rank
+
+
 def test_tensor_parallel_server_under_mlx_launch():
     model = tiny_model("gpt_oss")
     text, sampled, by_kind = reference(model)
     with LaunchedServer(model, *KV) as server:
         health = server.wait_ready(180).json()
         check_ranks(health, by_kind, "tensor")
+        check_budget(health, None)
         assert chat(server) == text
         assert chat(server, **SEEDED) == sampled
 
@@ -153,7 +163,8 @@ def test_pipeline_parallel_server_and_a_dead_rank(tmp_path):
     model = tiny_model("ministral3")
     text, sampled, by_kind = reference(model)
     gate = tmp_path / "gate-{rank}"
-    with RankGroup(model, *KV, "--pipeline", "--warmup-gate", str(gate)) as group:
+    budget = ("--kv-cache-memory", "64MiB")  # each rank's share
+    with RankGroup(model, *KV, *budget, "--pipeline", "--warmup-gate", str(gate)) as group:
         # Rank 1's warm-up is held back: rank 0 must not report ready.
         Path(str(gate).replace("{rank}", "0")).touch()
         assert group.wait_for("/health", 503, 180).json()["status"] == "warming_up"
@@ -162,6 +173,7 @@ def test_pipeline_parallel_server_and_a_dead_rank(tmp_path):
         Path(str(gate).replace("{rank}", "1")).touch()
         health = group.wait_ready(180).json()
         check_ranks(health, by_kind, "pipeline")
+        check_budget(health, 64 << 20)
         assert chat(group) == text
         assert chat(group, **SEEDED) == sampled
 

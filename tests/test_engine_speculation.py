@@ -179,3 +179,46 @@ def test_cancel_frees_the_lane_and_the_next_turn_reuses_the_lane_answer(engine, 
     # the lane's cache holds the prompt and the answer (its final EOS when drafted)
     assert second.end.usage.cached_tokens >= len(tokens) + len(first.tokens) - 1
     assert engine.prompt_cache.nbytes <= 4_000_000
+
+
+def test_the_lane_counts_against_the_kv_budget(models, monkeypatch):
+    """Under a KV budget a speculative sequence reserves its draft model's
+    caches too, and what the lane holds (both models) is measured with the
+    batch: neither the budget nor the bound is exceeded, before and after the
+    sequence moves into the batch."""
+    from mlx_kvq.engine import Ledger
+
+    model, tokenizer, plan, kv, draft = models
+    budget = 3_000_000
+    measured = []
+    check = Ledger.check
+
+    def spy(self, live, prompt_cache):
+        measured.append((live, self.reserved(), prompt_cache, sum(self.extras.values())))
+        return check(self, live, prompt_cache)
+
+    monkeypatch.setattr(Ledger, "check", spy)
+    eng = Engine(model, tokenizer, plan, kv,
+                 EngineOptions(prompt_cache_size=8, kv_cache_memory=budget,
+                               max_context=plan.max_context),
+                 draft=draft)  # fmt: skip
+    eng.start()
+    try:
+        assert eng.readiness.ready_event.wait(WAIT_S) and eng.readiness.ready
+        first = submit(eng, prompt(tokenizer, "The clock."), max_tokens=120)
+        wait_until(lambda: len(first.tokens) >= 8, "speculative decoding to start")
+        other = submit(eng, prompt(tokenizer, f"{FILLER} story 1"))
+        for c in (first, other):
+            c.wait()
+            assert isinstance(c.end, FinishEvent), c.end
+        assert other.text == ANSWER
+    finally:
+        eng.stop()
+    s = eng.metrics.snapshot()
+    assert s.draft_requests == {"speculative": 1, "batch": 1} and s.draft_requests_moved == 1
+    ledger = eng.budget
+    assert ledger.overruns == 0 and ledger.bound_misses == 0 and not ledger.extras
+    on_lane = [m for m in measured if m[3] > 0]
+    assert on_lane and max(live for live, *_ in on_lane) > 0  # the lane's bytes were counted
+    for live, reserved, prompt_cache, _ in measured:
+        assert live <= reserved and live + prompt_cache <= budget

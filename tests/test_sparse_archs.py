@@ -223,7 +223,7 @@ def test_the_engine_warms_up_and_serves(name, tmp_path):
     check_batch_path(plan.make_cache, kv, max_batch=plan.max_batch)
     flags = types.SimpleNamespace(
         decode_concurrency=8, prompt_concurrency=4, prefill_step_size=2048,
-        prompt_cache_size=4, prompt_cache_bytes=None,
+        prompt_cache_size=4, prompt_cache_bytes=None, max_queued_requests=16,
     )  # fmt: skip
     options = engine_options(flags, plan.max_context, None, plan.max_batch)
     assert options.decode_concurrency == (1 if name == "deepseek_v41" else 8)

@@ -243,8 +243,14 @@ def test_status_is_open_and_describes_plan_and_engine(server):
     assert body["model"] == MODEL_ID
     assert (body["status"], body["reason"]) == ("ready", None)
     assert body["api_key_required"] is True
-    assert body["budget"] is None
     assert body["blas"]["fast"] is True and "openblas" in body["blas"]["library"].lower()
+    budget = body["budget"]  # the default KV budget, derived from this machine
+    assert set(budget) == {
+        "bytes", "reserved", "live", "prompt_cache", "admitted", "waiting", "capacity",
+    }  # fmt: skip
+    assert budget["bytes"] > 0 and budget["reserved"] == budget["live"] == 0
+    assert budget["admitted"] == budget["waiting"] == 0
+    assert budget["capacity"].startswith("KV budget ")
     assert body["defaults"]["max_tokens"] == len(REPLY)
 
     # Every slot as the planner sees the model (the scripted hybrid: sliding, full, sliding).
@@ -486,7 +492,8 @@ def test_page_shows_reasoning_tool_calls_budget_and_unquantized_slots(server, br
     the budget object, a slot left unquantized, and a failed engine."""
     open_page(browser, server, key=API_KEY)
     budget = {"bytes": 64 << 20, "reserved": 24 << 20, "live": 8 << 20,
-              "prompt_cache": 4 << 20, "capacity": "KV budget 64 MiB: 9 sequences of 2,048 tokens"}  # fmt: skip
+              "prompt_cache": 4 << 20, "admitted": 3, "waiting": 5,
+              "capacity": "KV budget 64 MiB: 9 sequences of 2,048 tokens"}  # fmt: skip
     slot0 = {"quantized": False, "key_bits": None, "value_bits": None, "rotation": "none"}
     call = {
         "id": "call_1",
@@ -518,8 +525,9 @@ def test_page_shows_reasoning_tool_calls_budget_and_unquantized_slots(server, br
     browser.execute_script(STUB, {"top": {"budget": budget}, "slot0": slot0}, events)
 
     wait(browser, lambda d: d.find_element("id", "budget").is_displayed(), "the budget section")
-    assert text(browser, "budget-bytes") == "64.0 MiB"
+    wait(browser, lambda d: text(d, "budget-bytes") == "64.0 MiB", "the stubbed budget")
     assert text(browser, "budget-use") == "8.00 MiB / 24.0 MiB"
+    assert text(browser, "budget-sequences") == "3 admitted, 5 waiting"
     assert text(browser, "budget-capacity") == budget["capacity"]
     row = browser.find_element("css selector", "#plan-table tbody tr[data-slot='0']")
     wait(browser, lambda d: "unquantized" in row.get_attribute("class"), "slot 0 marked")

@@ -372,6 +372,10 @@ def markdown(result: dict) -> str:
                 + " |"
             )
         lines.append("")
+    if result.get("budget"):
+        from .budget_bench import markdown as budget_markdown
+
+        lines += budget_markdown(result["budget"])
     if result.get("plots"):
         lines += (
             ["## Plots", ""]

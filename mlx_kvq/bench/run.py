@@ -21,12 +21,14 @@ SECTION_MODULES = {
     "model": "model_bench",
     "memory": "memory_bench",
     "serving": "serving_bench",
+    "budget": "budget_bench",
 }
 SECTION_TITLES = {
     "attention": "attention alone",
     "model": "model",
     "memory": "memory",
     "serving": "serving",
+    "budget": "serving under a KV memory budget",
 }
 
 

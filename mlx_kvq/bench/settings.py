@@ -37,7 +37,7 @@ MODELS: dict[str, dict] = {
     ),
 }  # fmt: skip
 
-SECTIONS = ("attention", "model", "memory", "serving")
+SECTIONS = ("attention", "model", "memory", "serving", "budget")
 
 
 @dataclass
@@ -78,6 +78,13 @@ class BenchSettings:
     serving_prompt: int = 64
     serving_tokens: int = 32
     serving_repeats: int = 3
+    # serving under a KV memory budget (budget_bench.py)
+    budget_memory: int | None = None  # bytes; None: what budget_unquantized sequences need
+    budget_unquantized: int = 4
+    budget_requests: int = 16
+    budget_prompt: int = 128
+    budget_tokens: int = 128
+    budget_repeats: int = 2
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -112,4 +119,9 @@ def quick() -> BenchSettings:
         serving_prompt=8,
         serving_tokens=4,
         serving_repeats=1,
+        budget_requests=6,
+        budget_unquantized=1,
+        budget_prompt=40,
+        budget_tokens=4,
+        budget_repeats=1,
     )

@@ -190,10 +190,15 @@ class KVQCache(BaseCache):
         # An empty cache has no dtype yet ("none").
         self.dtype = None if dtype == "none" else getattr(mx, dtype)
 
-    def _store_state(self) -> list:
+    def _store_state(self, upto: int | None = None) -> list:
+        """The stores' arrays; with `upto`, only the first `upto` slots (as
+        mlx-lm's `KVCache.state` leaves out the unused tail of its buffer)."""
         if self._keys is None:
             return [None] * 6
-        return self._keys.to_state() + self._values.to_state()
+        k, v = self._keys, self._values
+        if upto is not None and upto < k.length:
+            k, v = k[..., :upto, :], v[..., :upto, :]
+        return k.to_state() + v.to_state()
 
     def _set_store_state(self, parts: list) -> None:
         self._keys = Store.from_state(parts[:3], self.key_spec)

@@ -60,7 +60,7 @@ class KVQFullCache(KVQCache):
 
     @property
     def state(self):
-        return [self._store_state(), self.offset, self._spec_state()]
+        return [self._store_state(self.offset), self.offset, self._spec_state()]
 
     @state.setter
     def state(self, v):
@@ -158,14 +158,17 @@ class KVQBatchFullCache(BatchKVQCache):
         return n
 
     def filter(self, batch_indices) -> None:
-        self._filter_rows(batch_indices)
-        min_left = min(self.left_padding.tolist())
+        # Cut the padding no kept row needs before taking the rows: the row
+        # gather then copies only what is kept (a slice taken after it would be
+        # a view that keeps the whole gathered buffer alive, unseen by nbytes).
+        min_left = min(self.left_padding[mx.array(batch_indices)].tolist())
         if min_left > 0:
             if self._keys is not None:
                 self._keys = self._keys[..., min_left:, :]
                 self._values = self._values[..., min_left:, :]
             self._idx -= min_left
             self.left_padding = self.left_padding - min_left
+        self._filter_rows(batch_indices)
 
     def extend(self, other: KVQBatchFullCache) -> None:
         self._extend_stores(other)

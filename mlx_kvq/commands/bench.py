@@ -8,6 +8,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from .flags import parse_size
+
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
@@ -91,6 +93,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="skip mlx-lm attention cells predicted to take longer per call (default 30)",
     )
+    p.add_argument(
+        "--budget-memory",
+        type=parse_size,
+        default=None,
+        help="KV budget of the budget section, e.g. 64MiB (default: what 4 unquantized "
+        "sequences need)",
+    )
+    p.add_argument(
+        "--budget-requests", type=int, default=None, help="requests of the budget section (16)"
+    )
+    p.add_argument(
+        "--budget-prompt", type=int, default=None, help="prompt tokens per request there (128)"
+    )
+    p.add_argument(
+        "--budget-tokens", type=int, default=None, help="generated tokens per request there (128)"
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=None)  # fmt: skip
     p.set_defaults(run=run)
@@ -110,6 +128,8 @@ def settings_from_args(args: argparse.Namespace):
         "memory_context": args.memory_context, "memory_dtype": args.memory_dtype, "streams": args.streams,
         "mlx_lm_max_call_s": args.mlx_lm_max_call_s, "seed": args.seed,
         "serving_repeats": args.serving_repeats,
+        "budget_memory": args.budget_memory, "budget_requests": args.budget_requests,
+        "budget_prompt": args.budget_prompt, "budget_tokens": args.budget_tokens,
         "reference_blas_contexts": args.reference_blas_contexts,
     }  # fmt: skip
     s = replace(s, **{k: v for k, v in changes.items() if v is not None})

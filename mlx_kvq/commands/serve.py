@@ -46,6 +46,7 @@ log = logging.getLogger("mlx_kvq.server")
 
 API_KEY_ENV = "MLX_KVQ_API_KEY"
 DEFAULT_STEP_TIMEOUT_S = 300.0
+DEFAULT_MAX_QUEUED = 256
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -116,6 +117,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "requests run, their KV bytes count against it too (as in mlx-lm)",
     )
     p.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=None,
+        help="KV memory budget: live sequences and the prompt cache together, e.g. 2GiB; "
+        "a request is admitted when its worst case fits what is left (default: derived "
+        "from the machine, less the weights, and printed at startup)",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=DEFAULT_MAX_QUEUED,
+        help="requests that may wait for admission; more get 429 with Retry-After "
+        f"(default: {DEFAULT_MAX_QUEUED})",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer <key>' on the OpenAI routes (or set {API_KEY_ENV})",
@@ -163,6 +179,8 @@ def check_numbers(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if args.prompt_cache_size < 0:
         raise ValueError("--prompt-cache-size must be >= 0")
+    if args.max_queued_requests < 1:
+        raise ValueError("--max-queued-requests must be at least 1")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be >= 0")
     check_template_kwargs(args.chat_template_args, "--chat-template-args")
@@ -173,12 +191,15 @@ def engine_options(
     max_context: int | None,
     warmup_gate: str | None,
     max_batch: int | None = None,
+    *,
+    kv_cache_memory: int | None = None,
 ):
-    """The engine's scheduling and prompt-cache settings from the serve flags.
+    """The engine's scheduling, prompt-cache and budget settings from the serve flags.
 
     `max_batch` is the plan's limit (deepseek_v41 runs one sequence at a
     time, as in mlx-lm's server): the concurrency flags are capped to it, and
-    the log says so."""
+    the log says so. `kv_cache_memory` is the KV budget in bytes (None: admit
+    by count only)."""
     from ..engine import EngineOptions
 
     decode, prompt = args.decode_concurrency, args.prompt_concurrency
@@ -196,8 +217,48 @@ def engine_options(
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
         max_context=max_context,
+        kv_cache_memory=kv_cache_memory,
+        max_queued_requests=args.max_queued_requests,
         warmup_gate=warmup_gate,
     )
+
+
+def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> int:
+    """The KV budget: `--kv-cache-memory`, or the machine's default (less the
+    weights of the model and of `draft_model`), logged with how it was
+    derived. Refused (exit 2) when it cannot hold one sequence of a 1-token
+    prompt and `--max-tokens`: every request would be refused."""
+    from ..engine.budget import (
+        Ledger,
+        Shape,
+        default_budget,
+        format_bytes,
+        machine_memory,
+        share_for,
+        weights_bytes,
+    )
+
+    if args.kv_cache_memory is not None:
+        budget, how = args.kv_cache_memory, "--kv-cache-memory"
+    else:
+        weights = weights_bytes(model) + (0 if draft_model is None else weights_bytes(draft_model))
+        budget, how = default_budget(weights, machine_memory())
+        how = f"default: {how}; set --kv-cache-memory to change it"
+    log.info("KV cache memory: %s (%s)", format_bytes(budget), how)
+    share = share_for(
+        plan, budget, prefill_step=args.prefill_step_size, prompt_rows=args.prompt_concurrency
+    )
+    max_tokens = args.max_tokens
+    if plan.max_context is not None:
+        max_tokens = max(1, min(max_tokens, plan.max_context - 1))
+    verdict = Ledger([share]).verdict(Shape(1, 1 + max_tokens))
+    if not verdict.fits_alone:
+        raise ValueError(
+            f"the KV budget of {format_bytes(budget)} ({how}) cannot hold one sequence of "
+            f"{1 + max_tokens} tokens (a 1-token prompt and --max-tokens {max_tokens}), which "
+            f"needs {format_bytes(verdict.needs)}: raise --kv-cache-memory or lower --max-tokens"
+        )
+    return budget
 
 
 def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
@@ -255,8 +316,12 @@ def run(args: argparse.Namespace) -> int:
         raise UnsupportedKVConfig(f"KV setting refused for {source.served_id}: {e}") from None
     log.info("KV plan for %s:\n%s", source.served_id, plan.table())
     draft = load_draft(args, model, tokenizer, plan, kv)
-    options = engine_options(args, plan.max_context, args.warmup_gate, plan.max_batch)
+    budget = kv_cache_memory(args, model, plan, None if draft is None else draft.model)
+    options = engine_options(
+        args, plan.max_context, args.warmup_gate, plan.max_batch, kv_cache_memory=budget
+    )
     engine = Engine(model, tokenizer, plan, kv, options, draft=draft)
+    log.info("%s", engine.capacity.line)
     settings = server_settings(args, source, plan.to_dict())
     return serve_http(engine, settings, args.host, args.port, args.log_level, args.shutdown_timeout)
 
@@ -365,8 +430,13 @@ def run_ranks(args: argparse.Namespace) -> int:
 
     # tests: "{rank}" in the gate path holds back one rank's warm-up
     gate = args.warmup_gate.replace("{rank}", str(rank)) if args.warmup_gate else None
+    try:
+        budget = kv_cache_memory(args, model, plan)  # this rank's share
+    except ValueError as e:
+        hb.stopping()
+        raise ValueError(f"rank {rank}: {e}") from None
     coordinator = GroupCoordinator(hb, infos, step_timeout=args.distributed_step_timeout)
-    options = engine_options(args, plan.max_context, gate, plan.max_batch)
+    options = engine_options(args, plan.max_context, gate, plan.max_batch, kv_cache_memory=budget)
     engine = Engine(model, tokenizer, plan, kv, options, coordinator=coordinator)
     coordinator.bind(engine)
     hb.on_group_failed = lambda reason: log.error("rank 0 reports: %s", reason)

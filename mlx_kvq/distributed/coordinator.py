@@ -8,6 +8,8 @@
   same order, which keeps the collectives inside the model matched.
 - `agree_warmup`: every rank runs the warm-up; the group is ready only when
   every rank's passed.
+- `agree_budget`: every rank learns every rank's KV budget share, so that all
+  admit a request only when every rank can hold it, and all alike.
 - `stopping`: a failure on any rank travels over the heartbeat channel.
 - `on_rank_lost`: the heartbeat watchdog on rank 0 calls it when a rank is
   lost; it fails the engine (503 with the reason) and every request at once,
@@ -27,6 +29,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..engine import (
+    BudgetShare,
     Checkpoint,
     Engine,
     GenerationRequest,
@@ -135,6 +138,10 @@ class GroupCoordinator:
             for r, w in enumerate(everyone)
         ]  # fmt: skip
         return WarmupVerdict(True, report=report)
+
+    def agree_budget(self, mine: BudgetShare) -> tuple[list[BudgetShare], int]:
+        everyone = gather_json(mine.to_dict())
+        return [BudgetShare.from_dict(d) for d in everyone], self.rank
 
     def stopping(self, notice: StopNotice) -> str:
         self._busy_since = None

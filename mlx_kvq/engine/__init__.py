@@ -1,5 +1,7 @@
 """Serving core without HTTP: continuous batching over quantized KV caches."""
 
+from .budget import Capacity, Ledger, Shape
+from .budget import Share as BudgetShare
 from .coordinator import (
     Coordinator,
     LocalCoordinator,
@@ -10,7 +12,7 @@ from .coordinator import (
     WarmupVerdict,
 )
 from .engine import SHUTTING_DOWN, Engine, EngineOptions
-from .metrics import EngineMetrics, MetricsSnapshot
+from .metrics import BudgetFigures, EngineMetrics, MetricsSnapshot
 from .prompt_cache import PromptCache
 from .requests import (
     Checkpoint,
@@ -21,6 +23,7 @@ from .requests import (
     GenerationRequest,
     Outcome,
     PromptProgress,
+    Rejection,
     SamplingParams,
     Segment,
     TokenEvent,
@@ -31,6 +34,9 @@ from .warmup import Readiness, ReadinessState, Status, WarmupFailed, check_batch
 
 __all__ = [
     "SHUTTING_DOWN",
+    "BudgetFigures",
+    "BudgetShare",
+    "Capacity",
     "Checkpoint",
     "DraftModel",
     "Coordinator",
@@ -42,6 +48,7 @@ __all__ = [
     "FinishEvent",
     "FinishReason",
     "GenerationRequest",
+    "Ledger",
     "LocalCoordinator",
     "MetricsSnapshot",
     "Outcome",
@@ -49,10 +56,12 @@ __all__ = [
     "PromptProgress",
     "RankStatus",
     "RankView",
+    "Rejection",
     "Readiness",
     "ReadinessState",
     "SamplingParams",
     "Segment",
+    "Shape",
     "Status",
     "StepCommands",
     "StopNotice",

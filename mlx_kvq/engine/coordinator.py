@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .budget import Share
 from .requests import GenerationRequest
 
 
@@ -80,6 +81,10 @@ class Coordinator(Protocol):
     def agree_warmup(self, mine: WarmupVerdict) -> WarmupVerdict:
         """The group's verdict on the warm-up, given this rank's."""
 
+    def agree_budget(self, mine: Share) -> tuple[list[Share], int]:
+        """Every rank's KV budget share, given this rank's, and this rank's index:
+        the group admits a request only when every rank can hold it."""
+
     def stopping(self, notice: StopNotice) -> str:
         """The engine stops; returns the reason to give the requests still running."""
 
@@ -97,6 +102,9 @@ class LocalCoordinator:
 
     def agree_warmup(self, mine: WarmupVerdict) -> WarmupVerdict:
         return mine
+
+    def agree_budget(self, mine: Share) -> tuple[list[Share], int]:
+        return [mine], 0
 
     def stopping(self, notice: StopNotice) -> str:
         return notice.reason

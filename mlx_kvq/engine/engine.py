@@ -13,6 +13,11 @@ With a draft model, a request that arrives while the engine serves nothing
 else is decoded speculatively (`speculation.SpeculativeLane`) until another
 request arrives; then it moves into the batch.
 
+With a KV memory budget (`EngineOptions.kv_cache_memory`), requests are
+admitted in order when their sequence's worst case fits what the budget has
+left, the prompt cache yielding first (`budget.Ledger`); the bytes the caches
+really hold are measured after every step against the budget.
+
 Whatever one request carries (its sampler, its logits processors, its text)
 can only fail that request: the batch and the engine go on (see
 `sampling.Guarded` and `processors.GuardedProcessor`).
@@ -39,6 +44,15 @@ from mlx_kvq.config import KVConfig
 from mlx_kvq.mlx_lm_internals import batch_caches
 from mlx_kvq.plan import KV_KINDS, KVPlan
 
+from .budget import (
+    Capacity,
+    CostModel,
+    Ledger,
+    Shape,
+    capacity_tokens,
+    format_bytes,
+    share_for,
+)
 from .coordinator import (
     Coordinator,
     LocalCoordinator,
@@ -47,7 +61,7 @@ from .coordinator import (
     StopNotice,
     WarmupVerdict,
 )
-from .metrics import EngineMetrics
+from .metrics import BudgetFigures, EngineMetrics
 from .processors import Grammars, GuardedProcessor, make_processors
 from .prompt_cache import PromptCache
 from .requests import (
@@ -61,6 +75,7 @@ from .requests import (
     Message,
     Outcome,
     PromptProgress,
+    Rejection,
     SamplingParams,
     Segment,
     Stop,
@@ -87,6 +102,7 @@ log = logging.getLogger("mlx_kvq.engine")
 
 IDLE_POLL_S = 0.1  # how long the idle engine thread waits for work per poll
 SHUTTING_DOWN = "server is shutting down"
+QUEUE_RETRY_AFTER_S = 2  # what a client refused for a full queue is told to wait
 WARMUP_TEXT = (
     "The quick brown fox jumps over the lazy dog while the server warms up its "
     "quantized caches, one token at a time. "
@@ -103,6 +119,8 @@ class EngineOptions:
     prompt_cache_size: int = 10
     prompt_cache_bytes: int | None = None
     max_context: int | None = None
+    kv_cache_memory: int | None = None  # KV memory budget in bytes (None: admit by count only)
+    max_queued_requests: int | None = None  # waiting requests before a 429 (None: no limit)
     warmup_gate: str | None = None  # warm-up waits until this file exists (tests)
 
 
@@ -190,6 +208,26 @@ class Engine:
         self._sinks: dict[int, EventSink] = {}  # submitted requests not yet accepted
         self._pending: deque[_Live] = deque()
         self._live: dict[int, _Live] = {}  # by BatchGenerator uid
+        self._queued: set[int] = set()  # ids submitted here and not yet admitted or ended
+        self._prompting: set[int] = set()  # uids whose prompt is still being processed
+        self.budget: Ledger | None = None
+        self.capacity: Capacity | None = None
+        if self.options.kv_cache_memory is not None:
+            share = share_for(
+                plan, self.options.kv_cache_memory,
+                prefill_step=self.options.prefill_step_size,
+                prompt_rows=self.options.prompt_concurrency,
+            )  # fmt: skip
+            self.budget = Ledger([share])
+            self.capacity = self.budget.capacity(capacity_tokens(self.max_context))
+        # what a speculative sequence's draft-model caches cost (one row, no batch)
+        self._draft_cost = (
+            None
+            if self.budget is None or draft is None
+            else CostModel.from_plan(
+                draft.plan, prefill_step=self.options.prefill_step_size, prompt_rows=1
+            )
+        )
         # mlx_lm.server's XTC special tokens: the newline's tokens and EOS
         self._samplers = SamplerPool(
             xtc_special=(*tokenizer.encode("\n"), *tokenizer.eos_token_ids)
@@ -254,13 +292,66 @@ class Engine:
         return state
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> None:
-        """Queue a request; its events arrive through `sink` (on the engine thread)."""
+        """Queue a request; its events arrive through `sink` (on the engine thread).
+
+        A request whose sequence cannot fit the KV budget even alone (400) and
+        one that finds the queue full (429) are refused at once, here.
+        """
         with self._lock:
-            if self._closed is None:
-                self._inbox.put(Submit(request, sink))
-                return
-            reason = self._closed
-        sink(ErrorEvent(reason, 503, "engine_unavailable"))
+            if self._closed is not None:
+                refusal = ErrorEvent(self._closed, 503, "engine_unavailable")
+            else:
+                refusal = self._refusal(request)
+                if refusal is None:
+                    self._queued.add(request.id)
+                    self._inbox.put(Submit(request, sink))
+                    self.metrics.set_queue_depth(len(self._queued))
+                    return
+        sink(refusal)
+
+    def _refusal(self, request: GenerationRequest) -> ErrorEvent | None:
+        """A 400 for a request that can never fit the budget, a 429 when the queue is full."""
+        refusal = self._too_large(request)
+        if refusal is not None:
+            return refusal
+        limit = self.options.max_queued_requests
+        if limit is not None and len(self._queued) >= limit:
+            self.metrics.count_rejection(Rejection.QUEUE_FULL)
+            return ErrorEvent(
+                f"the server's queue is full ({limit} requests waiting, --max-queued-requests); "
+                "retry later", 429, "queue_full", retry_after=QUEUE_RETRY_AFTER_S,
+            )  # fmt: skip
+        return None
+
+    def _shape(self, request: GenerationRequest) -> Shape:
+        """What `request`'s sequence can hold: its prompt and prompt + max_tokens."""
+        n = len(request.prompt)
+        max_tokens = request.params.max_tokens
+        if self.max_context is not None:
+            max_tokens = min(max_tokens, max(1, self.max_context - n))
+        return Shape(n, n + max_tokens)
+
+    def _too_large(self, request: GenerationRequest) -> ErrorEvent | None:
+        """The 400 for a request whose sequence needs more than the whole budget."""
+        if self.budget is None or not request.prompt:
+            return None
+        shape = self._shape(request)
+        verdict = self.budget.verdict(shape)
+        if verdict.fits_alone:
+            return None
+        self.metrics.count_rejection(Rejection.KV_BUDGET)
+        fix = (
+            f"lower max_tokens to {verdict.max_tokens_fit} or less"
+            if verdict.max_tokens_fit
+            else "shorten the prompt"
+        )
+        return ErrorEvent(
+            f"this request needs up to {format_bytes(verdict.needs)} of KV cache "
+            f"({shape.prompt} prompt tokens + {shape.total - shape.prompt} max_tokens at "
+            f"{self.budget.share.cost.setting}), more than the server's KV budget of "
+            f"{format_bytes(verdict.budget)} (--kv-cache-memory) holds even alone; {fix}",
+            400, "kv_budget_exceeded",
+        )  # fmt: skip
 
     @property
     def vocab_size(self) -> int:
@@ -283,6 +374,7 @@ class Engine:
             )
             if not self._wait_for_gate():
                 return
+            self._agree_budget()
             verdict = self.coordinator.agree_warmup(self._warmup())
             if not verdict.ok:
                 self._shutdown(verdict.error or "warm-up failed")
@@ -300,6 +392,7 @@ class Engine:
                     self._step()
                 if self._lane_busy:
                     self._lane_step()
+                    self._measure()  # the lane's caches (both models) after its step
                 self._publish()
             self._shutdown(SHUTTING_DOWN, normal=True)
         except Exception as e:  # the engine is dead: say why, everywhere
@@ -325,6 +418,10 @@ class Engine:
                 ended.append(self._lane.owner)
                 self._lane.drop()
             self._live, self._pending = {}, deque()
+            self._queued.clear()
+            self._prompting.clear()
+            if self.budget is not None:
+                self.budget.clear()
             sinks, self._sinks = list(self._sinks.values()), {}
             while True:
                 try:
@@ -370,6 +467,7 @@ class Engine:
             elif isinstance(m, Cancel):
                 cancels.add(m.request_id)
             elif stop:  # queued behind the stop: refused, like any later request
+                self._dequeue(m.request.id)
                 m.sink(ErrorEvent(SHUTTING_DOWN, 503, "engine_unavailable"))
             else:
                 self._sinks[m.request.id] = m.sink
@@ -388,36 +486,48 @@ class Engine:
         if commands.cancels:
             self._cancel(set(commands.cancels))
 
+    def _dequeue(self, request_id: int) -> None:
+        with self._lock:
+            self._queued.discard(request_id)
+
     def _accept(self, req: GenerationRequest, sink: EventSink) -> None:
         """Validate and queue a request for a batch slot."""
-        n = len(req.prompt)
-        if n == 0:
-            sink(ErrorEvent("the prompt is empty", 400, "empty_prompt"))
-            self.metrics.count_request(Outcome.REJECTED)
-            return
-        if self.max_context is not None and n >= self.max_context:
-            sink(
-                ErrorEvent(
-                    f"the prompt has {n} tokens; this server's KV plan allows a context "
-                    f"of {self.max_context} tokens",
-                    400,
-                    "context_length_exceeded",
-                )
-            )
-            self.metrics.count_request(Outcome.REJECTED)
+        refusal = self._invalid(req)
+        if refusal is not None:
+            self._dequeue(req.id)
+            sink(refusal)
             return
         self._pending.append(
             _Live(req, sink, self.tokenizer.detokenizer, StopMatcher(req.params.stop))
         )
+
+    def _invalid(self, req: GenerationRequest) -> ErrorEvent | None:
+        """The 400 for a request no batch slot can take (counted), or None."""
+        n = len(req.prompt)
+        if n == 0:
+            self.metrics.count_request(Outcome.REJECTED)
+            return ErrorEvent("the prompt is empty", 400, "empty_prompt")
+        if self.max_context is not None and n >= self.max_context:
+            self.metrics.count_request(Outcome.REJECTED)
+            return ErrorEvent(
+                f"the prompt has {n} tokens; this server's KV plan allows a context "
+                f"of {self.max_context} tokens",
+                400,
+                "context_length_exceeded",
+            )
+        return self._too_large(req)  # again: a group's shares are known by now
 
     def _cancel(self, ids: set[int]) -> None:
         kept = deque(live for live in self._pending if live.request.id not in ids)
         for _ in range(len(self._pending) - len(kept)):
             self.metrics.count_request(Outcome.CANCELLED)
         self._pending = kept
+        for request_id in ids:
+            self._dequeue(request_id)
         if self._lane_busy and self._lane.owner.request.id in ids:
             live = self._lane.owner
             self._lane.drop()
+            self._release(live)
             self.metrics.count_request(Outcome.CANCELLED)
             log.info(
                 "request %d cancelled after %d tokens", live.request.id, live.completion_tokens
@@ -427,13 +537,18 @@ class Engine:
             self._bg.remove(uids)
             for uid in uids:
                 live = self._live.pop(uid)
+                self._release(live)
                 self.metrics.count_request(Outcome.CANCELLED)
                 log.info(
                     "request %d cancelled after %d tokens", live.request.id, live.completion_tokens
                 )
 
     def _admit(self) -> None:
-        """Start queued requests, in order, while there is room.
+        """Start queued requests, in order, while there is room: a decode slot,
+        fewer than `prompt_concurrency` prompts being processed, and (with a
+        budget) room for the worst case of the request at the head of the
+        queue, the prompt cache yielding to it (the entry it reuses last).
+        Nothing overtakes a request that waits.
 
         Speculative decoding runs one sequence, so it pays only while that
         sequence is all the engine does: a request asking for it gets the
@@ -448,7 +563,11 @@ class Engine:
         grammar): mlx-lm's speculative loop shows them only the tokens since
         the cached prefix, and a grammar's state cannot follow a sequence
         moved into the batch; the batch applies them over the whole context.
+        A request whose draft-model caches do not fit the budget next to its
+        own is decoded in the batch.
         """
+        if self.budget is not None and not self._live:
+            self.budget.settle()  # an empty batch holds nothing any more
         waiting: deque[_Live] = deque()
         while self._pending:
             live = self._pending.popleft()
@@ -456,29 +575,62 @@ class Engine:
                 if live.processors is None:
                     check_logit_bias(live.request.params, self._samplers.vocab)
                     live.processors = make_processors(live.request.params, self.grammars)
+                if waiting:  # a request ahead of it waits: so does it
+                    waiting.append(live)
+                    continue
                 speculate = (
                     self._lane is not None
                     and live.request.draft_tokens > 0
                     and live.request.params.seed is None
                     and not live.processors
                 )
-                if speculate and not (self._live or self._lane_busy or self._pending or waiting):
+                idle = not (self._live or self._lane_busy or self._pending)
+                if speculate and idle and self._reserve(live, lane=True):
+                    self._dequeue(live.request.id)
                     self._start_speculation(live)
                     self.metrics.count_draft_request(speculative=True)
-                elif len(self._live) + self._lane_busy < self.options.decode_concurrency:
-                    if self._lane_busy:
-                        self._move_to_batch()
-                    self._insert(live)
-                    if live.request.draft_tokens > 0:
-                        self.metrics.count_draft_request(speculative=False)
-                else:
+                    continue
+                if len(self._live) + self._lane_busy >= self.options.decode_concurrency:
                     waiting.append(live)
+                    continue
+                if self._lane_busy:
+                    self._move_to_batch()
+                if len(self._prompting) >= self.options.prompt_concurrency or not self._reserve(
+                    live
+                ):
+                    waiting.append(live)
+                    continue
+                self._dequeue(live.request.id)
+                self._insert(live)
+                if live.request.draft_tokens > 0:
+                    self.metrics.count_draft_request(speculative=False)
             except Exception as e:  # noqa: BLE001 - this request's settings, not the engine
                 if self._lane is not None and self._lane.owner is live:
                     self._lane.drop()
+                self._dequeue(live.request.id)
                 self._fail(live, e)
         self._pending = waiting
         self._trim_prompt_cache()
+        self._measure()
+
+    def _reserve(self, live: _Live, lane: bool = False) -> bool:
+        """Reserve `live`'s worst case in the budget if it fits (always, without
+        a budget); on the speculative lane its draft model's caches too, and
+        both sides keep up to `num_draft_tokens` + 1 rewound tokens. The prompt
+        cache yields to it before the copy it reuses is made."""
+        if self.budget is None:
+            return True
+        shape, extra = self._shape(live.request), 0
+        if lane:
+            keep = live.request.draft_tokens + 1
+            shape = Shape(shape.prompt + keep, shape.total + keep)
+            extra = self._draft_cost.bound([shape]) if self._draft_cost is not None else 0
+        if not self.budget.fits(shape, extra):
+            return False
+        self.budget.reserve(live.request.id, shape, extra)
+        self.prompt_cache.touch(list(live.request.prompt))
+        self._trim_prompt_cache()
+        return True
 
     def _max_tokens(self, request: GenerationRequest) -> int:
         """The request's token limit, clamped to the context the plan allows."""
@@ -515,6 +667,7 @@ class Engine:
         )
         live.uid = uid
         self._live[uid] = live
+        self._prompting.add(uid)
 
     # ------------------------------------------------------- speculative lane
     @property
@@ -556,6 +709,9 @@ class Engine:
         )
         live.uid = uid
         self._live[uid] = live
+        self._prompting.add(uid)  # what is left goes through the prompt batch
+        if self.budget is not None:
+            self.budget.drop_extra(live.request.id)  # the draft's caches are gone
         self.metrics.count_draft_moved()
         log.info(
             "request %d moves from speculative decoding to the batch after %d tokens",
@@ -576,7 +732,7 @@ class Engine:
         )
         for tokens, cache, segment in work.snapshots:
             if self.prompt_cache.max_entries:
-                self.prompt_cache.insert(tokens, cache, self._cache_budget(), segment)
+                self._store_prompt(tokens, cache, segment)
         if work.tokens:
             self.metrics.record_drafts(work.proposed, sum(t.from_draft for t in work.tokens))
         max_tokens = self._max_tokens(live.request)
@@ -607,6 +763,7 @@ class Engine:
         self.metrics.record_step(
             stats.prompt_tokens, stats.prompt_time, stats.generation_tokens, stats.decode_time
         )
+        self._prompting.difference_update(r.uid for r in prompt_responses if r.end_of_prompt)
         self._snapshot_prompts(prompt_responses)
         self._send_progress(prompt_responses)
         self._batch_size = len(responses)
@@ -629,6 +786,7 @@ class Engine:
             for uid, (cache, tokens) in self._bg.remove(stopped, return_prompt_caches=True).items():
                 self._finish(uid, FinishReason.STOP, cache, tokens)
         self._fail_sampling_errors()
+        self._check_budget()
 
     def _fail_sampling_errors(self) -> None:
         """Fail the requests whose sampler or logits processor raised during the
@@ -658,6 +816,7 @@ class Engine:
         )  # fmt: skip
         if live.uid is not None and self._live.pop(live.uid, None) is not None:
             self._bg.remove([live.uid])
+        self._release(live)
         live.sink(ErrorEvent(f"this request failed: {type(error).__name__}: {error}", 500))
         self.metrics.count_request(Outcome.ERROR)
 
@@ -680,7 +839,7 @@ class Engine:
             for uid, (cache, tokens) in self._bg.extract_cache(done).items():
                 cuts = self._live[uid].cuts
                 segment = cuts.popleft() if cuts else Segment.CONTEXT
-                self.prompt_cache.insert(list(tokens), cache, self._cache_budget(), segment)
+                self._store_prompt(tokens, cache, segment)
 
     def _on_token(self, live: _Live, r: Any) -> bool:
         """Emit one token's event; True when the sequence is done."""
@@ -710,10 +869,11 @@ class Engine:
         self, live: _Live, reason: FinishReason, cache: list | None, tokens: list[int] | None
     ) -> None:
         """Answer `live` with its finish event and keep its cache for reuse."""
+        self._release(live)
         if live.stop_hit:
             reason = FinishReason.STOP
         if cache is not None and tokens:
-            self.prompt_cache.insert(list(tokens), cache, self._cache_budget(), Segment.ANSWER)
+            self._store_prompt(tokens, cache, Segment.ANSWER)
         usage = Usage(len(live.request.prompt), live.completion_tokens, live.cached)
         live.sink(FinishEvent(reason, usage))
         self.metrics.count_request(Outcome.OK)
@@ -727,6 +887,37 @@ class Engine:
     def _batch_caches(self) -> list:
         return [] if self._bg is None else batch_caches(self._bg)
 
+    def _release(self, live: _Live) -> None:
+        """Free a request's share of the budget. A sequence that leaves while its
+        prompt is being processed frees it after the next step: until then the
+        prompt batch's window buffers keep the length its chunk gave them."""
+        prompting = live.uid in self._prompting
+        self._prompting.discard(live.uid)
+        if self.budget is not None:
+            self.budget.release(live.request.id, after_step=prompting)
+
+    def _agree_budget(self) -> None:
+        """Every rank's share of the budget (this process's alone, unless in a
+        group), and the capacity line."""
+        if self.budget is None:
+            return
+        self.budget.shares, self.budget.me = self.coordinator.agree_budget(self.budget.share)
+        self.capacity = self.budget.capacity(capacity_tokens(self.max_context))
+        if self.coordinator.leader and len(self.budget.shares) > 1:
+            log.info("%s", self.capacity.line)  # the group's (a process logs its own at startup)
+
+    def _store_prompt(
+        self, tokens: list[int], cache: list, segment: Segment = Segment.ANSWER
+    ) -> None:
+        """Keep a sequence's cache in the prompt cache within the byte caps and
+        the room the KV budget leaves; in a group, only once every rank has
+        room for it by its bound (evicting the oldest entries first)."""
+        if self.budget is not None and len(self.budget.shares) > 1:
+            if not self._yield_group_prompt_cache(len(tokens)):
+                return
+        self.prompt_cache.insert(list(tokens), cache, self._cache_budget(), segment)
+        self._measure()
+
     def _live_caches(self) -> list:
         """Every cache live sequences hold: the batch's and the speculative lane's."""
         lane = self._lane.caches() if self._lane_busy else []
@@ -738,15 +929,70 @@ class Engine:
         return batch + (self._lane.nbytes if self._lane_busy else 0)
 
     def _cache_budget(self) -> int | None:
-        """Prompt-cache byte cap left once live sequences are counted (mlx-lm's rule)."""
-        if self.options.prompt_cache_bytes is None or self._bg is None:
-            return None
-        return self.options.prompt_cache_bytes - self.live_kv_bytes()
+        """Prompt-cache byte cap left once live sequences are counted: mlx-lm's
+        rule for --prompt-cache-bytes, and the room the KV budget leaves next to
+        the admitted sequences' reservations (one process)."""
+        caps = []
+        if self.options.prompt_cache_bytes is not None and self._bg is not None:
+            caps.append(self.options.prompt_cache_bytes - self.live_kv_bytes())
+        if self.budget is not None and len(self.budget.shares) == 1:
+            caps.append(self.budget.room())
+        return min(caps) if caps else None
 
     def _trim_prompt_cache(self) -> None:
         budget = self._cache_budget()
         if budget is not None:
             self.prompt_cache.trim_to(budget)
+        if self.budget is not None and len(self.budget.shares) > 1:
+            self._yield_group_prompt_cache()
+
+    def _yield_group_prompt_cache(self, extra_tokens: int | None = None) -> bool:
+        """In a group, evict (oldest first) until every rank's prompt cache fits
+        its room, with an entry of `extra_tokens` tokens added when given;
+        entries are charged by their bound on each rank: measured bytes differ
+        between ranks, and every rank must evict alike. False when the extra
+        entry does not fit even with the prompt cache empty."""
+        ledger = self.budget
+        shares = ledger.shares
+        rooms = [ledger.room(r) for r in range(len(shares))]
+        extra = [0 if extra_tokens is None else s.cost.entry_bytes(extra_tokens) for s in shares]
+        if any(e > room for e, room in zip(extra, rooms, strict=True)):
+            return False
+        while len(self.prompt_cache):
+            counts = self.prompt_cache.token_counts()
+            if all(
+                e + sum(s.cost.entry_bytes(n) for n in counts) <= room
+                for s, e, room in zip(shares, extra, rooms, strict=True)
+            ):
+                break
+            self.prompt_cache.evict_oldest()
+        return True
+
+    def _check_budget(self) -> None:
+        """After a step: free the shares of rows the step took out, let the
+        prompt cache yield to what is left, and measure."""
+        if self.budget is None or self._bg is None:
+            return
+        self.budget.settle()
+        self._trim_prompt_cache()
+        self._measure()
+
+    def _measure(self) -> None:
+        """Measure what the caches hold (live sequences and prompt cache: their
+        `nbytes`) against the budget and the bound of the admitted sequences.
+        Called wherever the bytes held can grow: after a step, after admitting
+        requests (a reused prompt-cache entry is copied) and after a prompt
+        cache insertion."""
+        if self.budget is None or self._bg is None:
+            return
+        live = self.live_kv_bytes()
+        held = self.prompt_cache.nbytes
+        if not self.budget.check(live, held):
+            log.error(
+                "KV budget exceeded: live %d + prompt cache %d bytes, budget %d, "
+                "bound of the admitted sequences %d",
+                live, held, self.budget.budget, self.budget.reserved(),
+            )  # fmt: skip
 
     def _publish(self) -> None:
         report = cache_report(self._live_caches()) if self._live or self._lane_busy else []
@@ -759,8 +1005,16 @@ class Engine:
                 quantized += int(bool(slot["quantized"]))
         if kv:
             self._kv_fraction = (quantized, kv)
+        if self.budget is not None:
+            b = self.budget
+            self.metrics.set_budget(
+                BudgetFigures(
+                    b.budget, b.reserved(), b.last_live, self.prompt_cache.nbytes,
+                    b.peak_held, b.overruns, b.bound_misses, len(b.shapes),
+                )
+            )  # fmt: skip
         self.metrics.set_state(
-            queue_depth=len(self._pending) + self._inbox.qsize(),
+            queue_depth=max(len(self._queued), len(self._pending)),
             batch_size=self._batch_size if self._live else 0,
             kv_bytes_by_kind=by_kind,
             kv_layers=self._kv_fraction[1],

@@ -13,9 +13,23 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .prompt_cache import PromptCacheStats
-from .requests import Outcome
+from .requests import Outcome, Rejection
 
 RATE_WINDOW_S = 10.0  # tokens-per-second gauges average over this many seconds
+
+
+@dataclass(frozen=True)
+class BudgetFigures:
+    """The KV memory budget as of the last step (bytes)."""
+
+    budget: int
+    reserved: int
+    live: int
+    prompt_cache: int
+    peak_held: int  # the most live + prompt-cache bytes measured after any step
+    overruns: int  # steps that measured more than the budget (0 unless a bound is wrong)
+    bound_misses: int  # steps whose live bytes exceeded the admitted sequences' bound
+    admitted: int = 0  # sequences holding a share of the budget now
 
 
 @dataclass
@@ -41,6 +55,8 @@ class MetricsSnapshot:
     prompt_tps: float
     generation_tps: float
     steps: int
+    rejections: dict[str, int] = field(default_factory=dict)
+    budget: BudgetFigures | None = None
     draft_requests: dict[str, int] = field(default_factory=dict)  # served "speculative"/"batch"
     draft_requests_moved: int = 0
     draft_tokens_proposed: int = 0
@@ -70,6 +86,8 @@ class EngineMetrics:
     generation_tokens: int = 0
     cached_prompt_tokens: int = 0
     steps: int = 0
+    rejections: Counter = field(default_factory=Counter)
+    budget: BudgetFigures | None = None
     draft_requests: Counter = field(default_factory=Counter)
     draft_requests_moved: int = 0
     draft_tokens_proposed: int = 0
@@ -81,6 +99,21 @@ class EngineMetrics:
         """Count one finished request by how it ended."""
         with self._lock:
             self.requests[outcome.value] += 1
+
+    def count_rejection(self, reason: Rejection) -> None:
+        """Count a request refused before it ran (also counted as `rejected`)."""
+        with self._lock:
+            self.rejections[reason.value] += 1
+            self.requests[Outcome.REJECTED.value] += 1
+
+    def set_queue_depth(self, n: int) -> None:
+        """Requests waiting, as soon as one is submitted (the engine thread may be busy)."""
+        with self._lock:
+            self.queue_depth = n
+
+    def set_budget(self, figures: BudgetFigures | None) -> None:
+        with self._lock:
+            self.budget = figures
 
     def record_step(
         self, prompt_tokens: int, prompt_time: float, gen_tokens: int, decode_time: float
@@ -170,6 +203,8 @@ class EngineMetrics:
                 prompt_tps=ptps,
                 generation_tps=gtps,
                 steps=self.steps,
+                rejections=dict(self.rejections),
+                budget=self.budget,
                 draft_requests=dict(self.draft_requests),
                 draft_requests_moved=self.draft_requests_moved,
                 draft_tokens_proposed=self.draft_tokens_proposed,

@@ -118,36 +118,57 @@ class PromptCache:
                 self._hits, self._misses, self._evictions, self._rejected, by_segment,
             )  # fmt: skip
 
+    def _best(self, tokens: list[int]) -> tuple[tuple[int, ...] | None, int, int]:
+        """(key, tokens it covers, tokens to trim) of the best entry for `tokens`;
+        call with the lock held."""
+        best_key, best_len, best_trim = None, 0, 0
+        for key, entry in self._entries.items():
+            shared = common_prefix(key, tokens)
+            if shared == len(key) and shared < len(tokens):
+                use, trim = shared, 0
+            elif can_trim_prompt_cache(entry.cache):
+                use = min(shared, len(tokens) - 1)
+                trim = len(key) - use
+            else:
+                continue
+            if use > best_len:
+                best_key, best_len, best_trim = key, use, trim
+        return best_key, best_len, best_trim
+
+    def _use(self, key: tuple[int, ...]) -> _Entry:
+        """Mark an entry as just used (the last of its kind to be evicted)."""
+        entry = self._entries[key]
+        self._order.remove(None, key)
+        self._order.push(None, key, entry.segment.value)
+        return entry
+
+    def touch(self, tokens: list[int]) -> None:
+        """Mark the entry `fetch(tokens)` would use as just used, so that
+        evictions before the fetch take it last of its kind."""
+        with self._lock:
+            key = self._best(tokens)[0]
+            if key is not None:
+                self._use(key)
+
     def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         """A private copy of the best cache for `tokens` and how many tokens it covers.
 
         At least one prompt token is always left uncovered: the model must
-        see the last prompt token to produce the first new one.
+        see the last prompt token to produce the first new one. A copy cut
+        back to a shorter prefix is compacted: it holds only what it covers.
         """
         with self._lock:
-            best_key, best_len, best_trim = None, 0, 0
-            for key, entry in self._entries.items():
-                shared = common_prefix(key, tokens)
-                if shared == len(key) and shared < len(tokens):
-                    use, trim = shared, 0
-                elif can_trim_prompt_cache(entry.cache):
-                    use = min(shared, len(tokens) - 1)
-                    trim = len(key) - use
-                else:
-                    continue
-                if use > best_len:
-                    best_key, best_len, best_trim = key, use, trim
+            best_key, best_len, best_trim = self._best(tokens)
             if best_key is None:
                 self._misses += 1
                 return None, 0
-            entry = self._entries[best_key]
-            self._order.remove(None, best_key)
-            self._order.push(None, best_key, entry.segment.value)
-            cache = copy.deepcopy(entry.cache)
-        if best_trim and trim_prompt_cache(cache, best_trim) != best_trim:
-            with self._lock:
-                self._misses += 1
-            return None, 0
+            cache = copy.deepcopy(self._use(best_key).cache)
+        if best_trim:
+            if trim_prompt_cache(cache, best_trim) != best_trim:
+                with self._lock:
+                    self._misses += 1
+                return None, 0
+            own_copy(cache)
         with self._lock:
             self._hits += 1
         return cache, best_len
@@ -168,16 +189,22 @@ class PromptCache:
         if self.max_entries == 0 or not tokens:
             return False
         key = tuple(tokens)
-        own_copy(cache)
-        nbytes = cache_nbytes(cache)
         cap = self._cap(budget)
+        need = cache_nbytes(cache)  # what its own copy holds at most
         with self._lock:
-            if cap is not None and nbytes > cap:
+            if cap is not None and need > cap:
                 self._rejected += 1
                 self._evict(cap)
                 return False
             if key in self._entries:
                 self._drop(key)
+            if cap is not None and self._nbytes + need > cap:
+                # bytes first: the copy below never puts the cache over its cap
+                # (the entry count is kept after the insertion, in mlx-lm's order)
+                self._evict(cap - need)
+        own_copy(cache)
+        nbytes = cache_nbytes(cache)
+        with self._lock:
             if can_trim_prompt_cache(cache):
                 # A trimmable longer cache serves every prefix: drop those.
                 for k in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
@@ -187,6 +214,21 @@ class PromptCache:
             self._nbytes += nbytes
             self._evict(cap)
         return True
+
+    def token_counts(self) -> list[int]:
+        """How many tokens each entry covers."""
+        with self._lock:
+            return [len(k) for k in self._entries]
+
+    def evict_oldest(self) -> bool:
+        """Evict the next entry in eviction order; False when there is none."""
+        with self._lock:
+            if not self._entries:
+                return False
+            _, key = self._order.pop()
+            self._nbytes -= self._entries.pop(key).nbytes
+            self._evictions += 1
+            return True
 
     def trim_to(self, budget: int | None) -> None:
         """Evict until within the caps, with the byte cap lowered to `budget`."""

@@ -49,6 +49,14 @@ class Outcome(str, Enum):
     UNAUTHORIZED = "unauthorized"  # no or a wrong API key
 
 
+class Rejection(str, Enum):
+    """Why the engine refused a request before running it, as counted in
+    `/metrics` (`mlx_kvq_rejections_total`)."""
+
+    KV_BUDGET = "kv_budget"  # its sequence cannot fit the KV memory budget, even alone (400)
+    QUEUE_FULL = "queue_full"  # --max-queued-requests are already waiting (429)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. `temperature == 0` is greedy decoding.
@@ -148,6 +156,7 @@ class ErrorEvent:
     message: str
     status: int = 500
     code: str | None = None
+    retry_after: int | None = None  # seconds, for a refusal worth retrying (429)
 
 
 @dataclass(frozen=True)

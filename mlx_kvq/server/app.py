@@ -24,7 +24,7 @@ from .auth import api_key_check
 from .errors import APIError, error_response, validation_message
 from .lifecycle import InFlightMiddleware, Lifecycle
 from .openai import openai_router
-from .probes import probes_router
+from .probes import budget_status, probes_router
 from .settings import ServerSettings
 from .web import web_router
 
@@ -50,7 +50,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+        if e.retry_after is not None:
+            headers["Retry-After"] = str(e.retry_after)
         return error_response(e.status, e.message, e.param, e.code, headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -68,7 +70,11 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return error_response(500, f"internal error: {type(e).__name__}")
 
     app.include_router(probes_router(engine, settings))
-    app.include_router(web_router(engine, settings, blas=lambda: blas_info().to_dict()))
+    app.include_router(
+        web_router(
+            engine, settings, blas=lambda: blas_info().to_dict(), budget=budget_status(engine)
+        )
+    )
     app.include_router(
         openai_router(engine, settings, api_key_check(settings.api_key, engine.metrics))
     )

@@ -24,13 +24,20 @@ class APIError(Exception):
     """Raise from a handler to answer with an OpenAI error body."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
     ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds, sent as Retry-After (429)
 
 
 def error_body(

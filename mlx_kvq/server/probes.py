@@ -7,6 +7,7 @@ shutting down, or with the reason once failed); `/metrics` is Prometheus text.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter
@@ -44,6 +45,7 @@ def probes_router(engine: Engine, settings: ServerSettings) -> APIRouter:
             "status": "ok",
             "model": settings.model_id,
             "plan": plan_health(settings.plan),
+            "kv_budget": engine.capacity.to_dict() if engine.capacity else None,
             "warmup": state.report,
             "blas": blas_info().to_dict(),
             "native_kernels": native_status().summary(),
@@ -63,6 +65,31 @@ def probes_router(engine: Engine, settings: ServerSettings) -> APIRouter:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return router
+
+
+def budget_status(engine: Engine) -> Callable[[], dict[str, Any] | None] | None:
+    """The `budget` of `/status` (None without a budget): the budget, bytes
+    reserved by admitted requests, bytes live sequences and the prompt cache
+    hold, the sequences admitted and the requests waiting, and the capacity
+    line."""
+    if engine.budget is None:
+        return None
+
+    def status() -> dict[str, Any] | None:
+        snapshot = engine.metrics.snapshot()
+        b = snapshot.budget
+        capacity = engine.capacity
+        return {
+            "bytes": engine.budget.budget,
+            "reserved": b.reserved if b else 0,
+            "live": b.live if b else 0,
+            "prompt_cache": b.prompt_cache if b else 0,
+            "admitted": b.admitted if b else 0,
+            "waiting": snapshot.queue_depth,
+            "capacity": capacity.line if capacity else None,
+        }
+
+    return status
 
 
 def plan_health(plan: dict[str, Any]) -> dict[str, Any]:

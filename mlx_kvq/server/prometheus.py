@@ -14,10 +14,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from mlx_kvq.engine import Engine, Outcome, RankView
+from mlx_kvq.engine import Engine, Outcome, RankView, Rejection
 
 P = "mlx_kvq_"
 REQUEST_STATUSES = tuple(o.value for o in Outcome)
+REJECTION_REASONS = tuple(r.value for r in Rejection)
 
 
 class EngineCollector(Collector):
@@ -91,6 +92,14 @@ class EngineCollector(Collector):
             req.add_metric([status], float(s.requests.get(status, 0)))
         yield req
 
+        rejected = CounterMetricFamily(
+            P + "rejections", "Requests refused before running, by reason", labels=["reason"]
+        )
+        for reason in sorted(set(REJECTION_REASONS) | set(s.rejections)):
+            rejected.add_metric([reason], float(s.rejections.get(reason, 0)))
+        yield rejected
+        yield from _budget_families(s.budget)
+
         yield _gauge("queue_depth", "Requests waiting for a batch slot", s.queue_depth)
         yield _gauge("batch_size", "Sequences decoded together in the last step", s.batch_size)
         yield _gauge("batch_size_max", "Largest batch decoded together so far", s.max_batch_size)
@@ -112,6 +121,25 @@ class EngineCollector(Collector):
         yield from _rank_families(self.engine.coordinator.ranks())
         if self.engine.draft is not None:
             yield from _draft_families(s)
+
+
+def _budget_families(b):
+    """The KV memory budget (none without one)."""
+    if b is None:
+        return
+    yield _gauge("kv_cache_memory_bytes", "KV memory budget (--kv-cache-memory)", b.budget)
+    yield _gauge("kv_bytes_reserved", "KV bytes the admitted requests can hold at most", b.reserved)
+    yield _gauge("kv_sequences_admitted", "Sequences holding a share of the KV budget", b.admitted)
+    yield _gauge(
+        "kv_bytes_held_max",
+        "Most KV bytes (live sequences and prompt cache) measured after any step",
+        b.peak_held,
+    )
+    yield _counter(
+        "kv_budget_overruns",
+        "Steps after which the KV bytes held exceeded the budget (0 unless a bound is wrong)",
+        b.overruns,
+    )
 
 
 def _rank_families(ranks: list[RankView]):

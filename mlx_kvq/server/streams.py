@@ -62,7 +62,9 @@ class Generation:
         if not self._queue.empty():
             self._held = self._queue.get_nowait()  # a refusal comes before any token
             if isinstance(self._held, ErrorEvent):
-                raise APIError(self._held.status, self._held.message, code=self._held.code)
+                held = self._held
+                raise APIError(held.status, held.message, code=held.code,
+                               retry_after=held.retry_after)  # fmt: skip
 
     async def _next(self) -> Any:
         if self._held is not None:

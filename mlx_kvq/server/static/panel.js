@@ -137,6 +137,8 @@ function renderBudget(budget) {
   $("budget-bytes").textContent = formatBytes(size);
   $("budget-use").textContent = `${formatBytes(live)} / ${formatBytes(budget.reserved || 0)}`;
   $("budget-prompt-cache").textContent = formatBytes(cache);
+  $("budget-sequences").textContent =
+    `${budget.admitted || 0} admitted, ${budget.waiting || 0} waiting`;
   $("budget-capacity").textContent = budget.capacity || "";
 }
 

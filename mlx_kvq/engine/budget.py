@@ -1,0 +1,471 @@
+"""The KV memory budget: admission by bytes, never by a guess.
+
+A request is admitted when the most its sequence can make the batch hold
+fits in what the budget has left; the prompt cache yields first. "The most"
+is an upper bound computed from the plan (`CostModel`), and it has to know
+how mlx-lm's `BatchGenerator` lays sequences out, because a batch is not a
+sum of independent caches:
+
+- Rows are left-padded to a common length. A decoding batch (the
+  generation batch) is as long as its longest sequence: full-attention
+  layers hold `rows x (longest content + 255)` slots (the caches grow in
+  256-token steps, `KVQCache.step`, and filtering a batch cuts the padding
+  no row needs). A sequence's content is at most its prompt plus
+  `max_tokens`.
+- Sliding-window layers hold at most `window` slots per row while decoding
+  (a batch window is not cut back when long rows leave, so the bound is the
+  window, not the longest row).
+- Prompts are processed in chunks of `--prefill-step-size` tokens by a
+  separate batch of at most `--prompt-concurrency` rows (the engine admits
+  no more than that many prompts at once). There a window holds
+  `window - 1 + chunk` slots (the chunk's keys must all be visible to its
+  queries, as in mlx-lm's rotating cache), and full layers can carry up to
+  one chunk of extra padding (rows that finish their prompt in a shorter
+  last chunk) until they move to the generation batch.
+- Before `--quantized-kv-start` tokens the caches are raw (the model's
+  dtype), after it quantized: both are bounded.
+
+`CostModel.bound(shapes)` is the bound for a set of admitted sequences,
+`Ledger` keeps the admitted set of each rank and decides admission, and the
+engine measures what the caches really hold after every step (`Ledger.check`)
+against both the budget and the bound.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mlx_kvq.config import KVConfig, QuantSpec
+from mlx_kvq.plan import KVPlan, LayerPlan
+
+GROWTH = 256  # caches grow their buffers in steps of this many tokens (KVQCache.step)
+CPU_RAM_SHARE = 0.5  # default budget without Metal: this share of RAM, less the weights
+METAL_SHARE = 0.9  # with Metal: this share of the recommended working set, less the weights
+CAPACITY_TOKENS = 8192  # the capacity line counts sequences of this many tokens (or the context)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one request can make its sequence hold: prompt and prompt + max_tokens."""
+
+    prompt: int
+    total: int
+
+
+@dataclass(frozen=True)
+class SlotCost:
+    """One KV cache slot of the plan as the budget prices it."""
+
+    window: int | None  # None: full attention (grows with the sequence)
+    stored: int  # bytes per token as stored (quantized where the plan quantizes)
+    raw: int  # bytes per token in the model's dtype (before quantized_kv_start)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Upper bounds of the bytes a batch of sequences holds; see the module docstring."""
+
+    slots: tuple[SlotCost, ...]
+    state_bytes: int = 0  # recurrent state per sequence (not KV)
+    quantized_start: int = 0
+    prefill_step: int = 2048
+    prompt_rows: int = 8
+    setting: str = ""  # the KV setting in words, e.g. "K4/V3"
+
+    @classmethod
+    def from_plan(
+        cls, plan: KVPlan, *, prefill_step: int, prompt_rows: int, quantized: bool = True
+    ) -> CostModel:
+        """Costs of `plan`'s slots; `quantized=False` prices the same model unquantized."""
+        slots = []
+        for p in plan.kv_layers:
+            raw = _per_token(p, QuantSpec(None), QuantSpec(None))
+            keep = quantized and not p.skipped
+            stored = _per_token(p, p.key_spec, p.value_spec) if keep else raw
+            slots.append(SlotCost(p.window, stored, raw))
+        state = sum(p.state_bytes for p in plan.layers if p.kind == "state")
+        return cls(
+            tuple(slots), state, plan.config.quantized_start if quantized else 0,
+            max(1, prefill_step), max(1, prompt_rows),
+            setting_label(plan.config) if quantized else "unquantized",
+        )  # fmt: skip
+
+    # -- one slot ------------------------------------------------------------
+    def slot_bytes(self, s: SlotCost, n: int) -> int:
+        """Bytes of `n` buffer slots, raw before quantized_kv_start, stored after."""
+        b = s.stored * n
+        if self.quantized_start and s.raw > s.stored:
+            b = max(b, s.raw * min(n, self.quantized_start + self.prefill_step + GROWTH))
+        return b
+
+    def _shape_bytes(self, full: int, window_extra: int | None) -> int:
+        """One row: `full` slots in full-attention layers; windows at their size,
+        plus `window_extra` - 1 slots while a prompt chunk is in them."""
+        total = self.state_bytes
+        for s in self.slots:
+            if s.window is None:
+                n = full
+            elif window_extra is None:
+                n = s.window
+            else:
+                n = s.window - 1 + window_extra
+            total += self.slot_bytes(s, n)
+        return total
+
+    # -- sets of sequences -------------------------------------------------
+    def row_bounds(self, longest_total: int, longest_prompt: int) -> tuple[int, int]:
+        """(decoding row, prompt row): what one row can hold in a batch whose
+        longest sequence totals `longest_total` tokens and longest prompt has
+        `longest_prompt`."""
+        chunk = min(self.prefill_step, longest_prompt)
+        decoding = self._shape_bytes(longest_total + GROWTH - 1, None)
+        prompting = self._shape_bytes(longest_prompt + chunk + GROWTH - 1, chunk)
+        return decoding, prompting
+
+    def bound(self, shapes: Iterable[Shape]) -> int:
+        """The most a batch of these sequences holds at any step boundary."""
+        shapes = list(shapes)
+        if not shapes:
+            return 0
+        n = len(shapes)
+        decoding, prompting = self.row_bounds(
+            max(s.total for s in shapes), max(s.prompt for s in shapes)
+        )
+        return n * decoding + min(n, self.prompt_rows) * max(0, prompting - decoding)
+
+    def entry_bytes(self, tokens: int) -> int:
+        """The most a prompt-cache entry covering `tokens` tokens holds (extracted
+        from a decoding or a prompt batch)."""
+        total = self.state_bytes
+        for s in self.slots:
+            n = tokens if s.window is None else min(tokens, s.window - 1 + self.prefill_step)
+            total += self.slot_bytes(s, n)
+        return total
+
+    def sequences(self, budget: int, shape: Shape) -> int:
+        """How many sequences of `shape` a budget of `budget` bytes holds at once."""
+        decoding, prompting = self.row_bounds(shape.total, shape.prompt)
+        first = max(decoding, prompting)  # the rows that may be in their prompt
+        if first <= 0:
+            return 0
+        n = budget // first
+        if n <= self.prompt_rows:
+            return int(n)
+        left = budget - self.prompt_rows * first
+        return int(self.prompt_rows + left // max(decoding, 1))
+
+    def unquantized(self) -> CostModel:
+        slots = tuple(SlotCost(s.window, s.raw, s.raw) for s in self.slots)
+        return CostModel(slots, self.state_bytes, 0, self.prefill_step, self.prompt_rows,
+                         "unquantized")  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CostModel:
+        d = dict(d)
+        d["slots"] = tuple(SlotCost(**s) for s in d["slots"])
+        return cls(**d)
+
+
+def _per_token(p: LayerPlan, k: QuantSpec, v: QuantSpec) -> int:
+    """Bytes one token costs in slot `p` with keys stored as `k`, values as `v`."""
+    size = p.dtype_size
+    return round(
+        p.kv_heads
+        * (p.key_dim * k.bytes_per_element(size) + p.value_dim * v.bytes_per_element(size))
+    )
+
+
+def setting_label(config: KVConfig) -> str:
+    """The KV setting in a few characters: "K4/V3", "K4/V3, windows 8-bit",
+    "K8/V8", "unquantized"."""
+    if not config.enabled:
+        return "unquantized"
+    k, v = config.key_spec.bits, config.value_spec.bits
+    label = f"K{k or 'raw'}/V{v or 'raw'}"
+    if config.window_bits is not None:
+        label += f", windows {config.window_bits or 'raw'}-bit"
+    return label
+
+
+@dataclass(frozen=True)
+class Share:
+    """One rank's budget (bytes) and what its sequences cost."""
+
+    budget: int
+    cost: CostModel
+    unquantized: CostModel | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget": self.budget,
+            "cost": self.cost.to_dict(),
+            "unquantized": None if self.unquantized is None else self.unquantized.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Share:
+        unq = d.get("unquantized")
+        return cls(
+            int(d["budget"]),
+            CostModel.from_dict(d["cost"]),
+            None if unq is None else CostModel.from_dict(unq),
+        )
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a budget holds, in numbers and in words (the startup line, /health)."""
+
+    budget: int
+    tokens: int
+    sequences: int
+    sequences_unquantized: int | None
+    setting: str
+    ranks: int = 1
+
+    @property
+    def line(self) -> str:
+        where = f" per rank ({self.ranks} ranks)" if self.ranks > 1 else ""
+        text = (
+            f"KV budget {format_bytes(self.budget)}{where}: {self.sequences:,} sequences of "
+            f"{self.tokens:,} tokens at this KV setting ({self.setting})"
+        )
+        if self.sequences_unquantized is not None and self.setting != "unquantized":
+            text += f", {self.sequences_unquantized:,} unquantized"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "line": self.line}
+
+
+def format_bytes(n: float) -> str:
+    """1.5 GiB, 320.0 MiB, 12.0 KiB, 900 B."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a request can ever run, and why not."""
+
+    fits_alone: bool
+    needs: int  # bytes its sequence alone can hold (on the rank that fits it worst)
+    budget: int  # that rank's budget
+    max_tokens_fit: int  # the largest max_tokens that would fit with this prompt (0: none)
+
+
+@dataclass
+class Ledger:
+    """The admitted sequences of the group (one share per rank; one for a single
+    process) and the bytes they reserve; only the engine thread changes it.
+
+    Every rank keeps the same ledger (the same requests are admitted in the
+    same order everywhere), so a group admits a request only when every rank
+    can hold it, and every rank decides it alike.
+    """
+
+    shares: list[Share]
+    me: int = 0  # this process's rank
+    shapes: dict[int, Shape] = field(default_factory=dict)  # by request id
+    leaving: dict[int, Shape] = field(default_factory=dict)  # released after the next step
+    extras: dict[int, int] = field(default_factory=dict)  # bytes beyond the shape, by request
+    peak_held: int = 0
+    overruns: int = 0  # steps whose measured bytes exceeded the budget (never, if the bound holds)
+    bound_misses: int = 0  # steps whose live bytes exceeded the bound (a bug in the cost model)
+    last_live: int = 0  # live bytes measured after the last step
+
+    @property
+    def share(self) -> Share:
+        return self.shares[self.me]
+
+    @property
+    def budget(self) -> int:
+        return self.share.budget
+
+    def _all_shapes(self, extra: Shape | None = None) -> list[Shape]:
+        shapes = list(self.shapes.values()) + list(self.leaving.values())
+        return shapes + ([extra] if extra is not None else [])
+
+    def reserved(self, rank: int | None = None, extra: Shape | None = None) -> int:
+        """Bytes the admitted sequences (and `extra`) can hold on `rank` (default: this one)."""
+        share = self.shares[self.me if rank is None else rank]
+        return share.cost.bound(self._all_shapes(extra)) + sum(self.extras.values())
+
+    def fits(self, shape: Shape, extra_bytes: int = 0) -> bool:
+        """Whether admitting `shape` (and `extra_bytes` more) now keeps every
+        rank within its budget, the prompt cache yielding all it holds if need be."""
+        more = sum(self.extras.values()) + extra_bytes
+        return all(s.cost.bound(self._all_shapes(shape)) + more <= s.budget for s in self.shares)
+
+    def verdict(self, shape: Shape) -> Verdict:
+        """Whether `shape` fits even alone, on every rank."""
+        worst, needs, budget = -1.0, 0, 0
+        for s in self.shares:
+            b = s.cost.bound([shape])
+            if b / max(s.budget, 1) > worst:
+                worst, needs, budget = b / max(s.budget, 1), b, s.budget
+        fits = worst <= 1.0
+        best = 0
+        if not fits:
+            lo, hi = 0, shape.total - shape.prompt
+            while lo < hi:  # the largest max_tokens that fits
+                mid = (lo + hi + 1) // 2
+                trial = Shape(shape.prompt, shape.prompt + mid)
+                if all(s.cost.bound([trial]) <= s.budget for s in self.shares):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = lo
+        return Verdict(fits, needs, budget, best)
+
+    def reserve(self, request_id: int, shape: Shape, extra_bytes: int = 0) -> None:
+        """Admit a request: its sequence's shape, and `extra_bytes` it holds
+        besides (a draft model's caches)."""
+        self.shapes[request_id] = shape
+        if extra_bytes:
+            self.extras[request_id] = extra_bytes
+
+    def drop_extra(self, request_id: int) -> None:
+        self.extras.pop(request_id, None)
+
+    def release(self, request_id: int, after_step: bool = False) -> None:
+        """Free a request's share: at once, or (`after_step`) once the next step
+        has taken its rows out of the batch's buffers."""
+        shape = self.shapes.pop(request_id, None)
+        self.extras.pop(request_id, None)
+        if shape is not None and after_step:
+            self.leaving[request_id] = shape
+
+    def settle(self) -> None:
+        """A step ran: shares released `after_step` are free now."""
+        self.leaving.clear()
+
+    def clear(self) -> None:
+        self.shapes.clear()
+        self.leaving.clear()
+        self.extras.clear()
+
+    def room(self, rank: int | None = None) -> int:
+        """Bytes the prompt cache may hold on `rank` next to the reservations."""
+        share = self.shares[self.me if rank is None else rank]
+        return max(0, share.budget - self.reserved(rank))
+
+    def check(self, live: int, prompt_cache: int) -> bool:
+        """Measured bytes after a step against the budget and the bound; False
+        (and counted) when either is exceeded."""
+        held = live + prompt_cache
+        self.last_live = live
+        self.peak_held = max(self.peak_held, held)
+        ok = True
+        if held > self.budget:
+            self.overruns += 1
+            ok = False
+        if live > self.reserved():
+            self.bound_misses += 1
+            ok = False
+        return ok
+
+    def capacity(self, tokens: int) -> Capacity:
+        """How many sequences of `tokens` tokens the group holds at once, however
+        they split into prompt and completion."""
+        shape = Shape(max(1, tokens - 1), tokens)
+        n = min(s.cost.sequences(s.budget, shape) for s in self.shares)
+        unq = [s.unquantized for s in self.shares]
+        n0 = (
+            min(u.sequences(s.budget, shape) for u, s in zip(unq, self.shares, strict=True))
+            if all(u is not None for u in unq)
+            else None
+        )
+        return Capacity(self.budget, tokens, n, n0, self.share.cost.setting, len(self.shares))
+
+
+# -- the default budget ---------------------------------------------------------
+@dataclass(frozen=True)
+class MachineMemory:
+    """What the default budget is derived from."""
+
+    metal_working_set: int | None  # recommended working set (Metal), None on CPU
+    ram: int | None  # physical memory
+
+
+def machine_memory() -> MachineMemory:
+    import mlx.core as mx
+
+    working_set = None
+    try:
+        if mx.metal.is_available():
+            info = mx.device_info()
+            working_set = int(info.get("max_recommended_working_set_size") or 0) or None
+    except (AttributeError, RuntimeError):
+        working_set = None
+    ram = None
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        ram = None
+    return MachineMemory(working_set, ram)
+
+
+def default_budget(weights: int, memory: MachineMemory) -> tuple[int, str]:
+    """The default `--kv-cache-memory` and how it was derived (in words).
+
+    Metal: 90% of the recommended working set (the wired-memory limit mlx-lm
+    sets) less the weights; CPU: half the RAM less the weights. The rest is
+    the margin for activations, a step's transient copies and the process.
+    """
+    if memory.metal_working_set:
+        base, share, what = memory.metal_working_set, METAL_SHARE, "the recommended working set"
+    elif memory.ram:
+        base, share, what = memory.ram, CPU_RAM_SHARE, "RAM"
+    else:
+        raise ValueError("cannot tell this machine's memory: pass --kv-cache-memory")
+    size = int(base * share) - weights
+    how = f"{share:.0%} of {what} ({format_bytes(base)}) less the weights ({format_bytes(weights)})"
+    return max(0, size), how
+
+
+def weights_bytes(model: Any) -> int:
+    """Bytes of the model's parameters."""
+    from mlx.utils import tree_flatten
+
+    return int(sum(v.nbytes for _, v in tree_flatten(model.parameters())))
+
+
+def capacity_tokens(max_context: int | None) -> int:
+    """The sequence length the capacity line counts in: 8,192 tokens, or the
+    model's context when shorter."""
+    return min(max_context or CAPACITY_TOKENS, CAPACITY_TOKENS)
+
+
+def share_for(plan: KVPlan, budget: int, *, prefill_step: int, prompt_rows: int) -> Share:
+    """This process's share: `budget` bytes, priced from `plan` (and unquantized,
+    for the capacity line's comparison)."""
+    cost = CostModel.from_plan(plan, prefill_step=prefill_step, prompt_rows=prompt_rows)
+    return Share(int(budget), cost, cost.unquantized())
+
+
+__all__ = [
+    "Capacity",
+    "CostModel",
+    "Ledger",
+    "MachineMemory",
+    "Shape",
+    "Share",
+    "SlotCost",
+    "Verdict",
+    "capacity_tokens",
+    "default_budget",
+    "format_bytes",
+    "machine_memory",
+    "setting_label",
+    "share_for",
+    "weights_bytes",
+]

@@ -1,0 +1,411 @@
+"""The KV memory budget: prices, bounds, admission, in the engine itself.
+
+- Every slot's price per token is exact: a cache holding n buffer slots
+  holds exactly the bytes the cost model charges for n slots (quantized
+  packing and 16-bit scales, the model's float32 when raw).
+- The engine, under a small budget and a mix of short and long prompts,
+  chunked prefill, prompt-cache hits and cancellations, never holds more
+  than the budget nor more than the bound of the sequences it admitted,
+  measured from inside after every step, and serves every request.
+- Under one budget the default KV setting runs at least 3x as many
+  sequences at once as unquantized caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+from kvq_testing.tiny import save_tiny_model
+from mlx_lm import load
+
+from mlx_kvq.caches import cache_report
+from mlx_kvq.config import KVConfig
+from mlx_kvq.defaults import DEFAULT_KV_CONFIG
+from mlx_kvq.engine import (
+    BudgetShare,
+    Engine,
+    EngineOptions,
+    ErrorEvent,
+    FinishEvent,
+    GenerationRequest,
+    Ledger,
+    LocalCoordinator,
+    SamplingParams,
+    Shape,
+    TokenEvent,
+)
+from mlx_kvq.engine.budget import (
+    CostModel,
+    MachineMemory,
+    Share,
+    SlotCost,
+    default_budget,
+    share_for,
+)
+from mlx_kvq.engine.prompt_cache import PromptCache, cache_nbytes
+from mlx_kvq.mlx_lm_internals import batch_caches
+from mlx_kvq.plan import plan_kv
+
+WAIT_S = 300
+SETTINGS = {
+    "default": DEFAULT_KV_CONFIG,
+    "4-bit": KVConfig(bits=4),
+    "8-bit": KVConfig(bits=8),
+    "unquantized": KVConfig(),
+    "4-bit from token 40": KVConfig(bits=4, quantized_start=40),
+}
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    # float32 weights, 2 sliding-window layers of 32 tokens and 2 full-attention layers
+    path = save_tiny_model(
+        tmp_path_factory.mktemp("budget") / "m", "gemma3_text", sliding_window=32,
+        max_position_embeddings=4096,
+    )  # fmt: skip
+    return load(str(path))
+
+
+class Sink:
+    def __init__(self):
+        self.done = threading.Event()
+        self.tokens = 0
+        self.end = None
+
+    def __call__(self, event):
+        if isinstance(event, TokenEvent):
+            self.tokens += 1
+        else:
+            self.end = event
+            self.done.set()
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_price_per_slot_is_what_caches_hold(loaded, name):
+    model, _ = loaded
+    plan = plan_kv(model, SETTINGS[name], batch=True)
+    cost = share_for(plan, 1, prefill_step=2048, prompt_rows=8).cost
+    for n in (1, 39, 41, 300):  # below and above quantized_kv_start, past the window
+        caches = plan.make_cache()
+        model(mx.array([list(range(1, n + 1))]), cache=caches)
+        report = [r for r in cache_report(caches) if r["kind"] in ("full", "sliding")]
+        assert len(report) == len(cost.slots) == 4
+        for c, slot, r in zip(caches, cost.slots, report, strict=True):
+            mx.eval(c.keys.parts, c.values.parts)
+            held = c.keys.length  # buffer slots, used or not
+            quantized = c.keys.quantized or c.values.quantized
+            per_token = slot.stored if quantized else slot.raw
+            assert r["nbytes"] == c.nbytes == per_token * held, (name, n, r)
+            assert cost.slot_bytes(slot, held) >= r["nbytes"]
+
+
+def test_prices_follow_the_setting(loaded):
+    model, _ = loaded
+    per = {
+        name: share_for(plan_kv(model, kv, batch=True), 1, prefill_step=64, prompt_rows=4)
+        for name, kv in SETTINGS.items()
+    }
+    # head dim 64, 2 KV heads, float32: raw 2*64*2*4 = 1024 B/token; K4/V3 with
+    # 16-bit scale and bias per 64 elements: 2*64*(0.5 + 0.375 + 2*4/64) = 128;
+    # the default's sliding windows are 8-bit: 2*64*(1 + 1 + 2*4/64) = 272
+    assert [s.stored for s in per["unquantized"].cost.slots] == [1024] * 4
+    assert [s.stored for s in per["default"].cost.slots] == [272, 128, 272, 128]
+    assert [s.stored for s in per["4-bit"].cost.slots] == [144] * 4
+    assert [s.stored for s in per["8-bit"].cost.slots] == [272] * 4
+    assert per["default"].unquantized.slots == per["unquantized"].cost.slots
+    assert [s.window for s in per["default"].cost.slots] == [32, None, 32, None]
+
+
+def _cost(prompt_rows=2, step=16) -> CostModel:
+    slots = (SlotCost(None, 10, 40), SlotCost(8, 10, 40))
+    return CostModel(slots, 0, 0, step, prompt_rows, "K4/V4")
+
+
+def test_bound_counts_padding_windows_and_prompt_rows():
+    cost = _cost()
+    decoding, prompting = cost.row_bounds(100, 20)
+    assert decoding == 10 * (100 + 255) + 10 * 8
+    assert prompting == 10 * (20 + 16 + 255) + 10 * (8 - 1 + 16)
+    # the batch pads every row to its longest sequence
+    assert cost.bound([Shape(20, 100), Shape(5, 10)]) == 2 * decoding
+    big = Shape(490, 500)
+    d, p = cost.row_bounds(500, 490)
+    assert p > d and cost.bound([big] * 5) == 5 * d + 2 * (p - d)  # at most 2 prompt rows
+
+
+def test_sequences_is_the_largest_count_that_fits():
+    cost = _cost(prompt_rows=3)
+    shape = Shape(300, 420)
+    for budget in (10_000, 50_000, 123_456, 1_000_000):
+        n = cost.sequences(budget, shape)
+        assert cost.bound([shape] * n) <= budget < cost.bound([shape] * (n + 1))
+
+
+def test_ledger_admits_releases_and_explains():
+    cost = _cost()
+    shape = Shape(20, 100)
+    one = cost.bound([shape])
+    ledger = Ledger([Share(2 * one + 10, cost, cost.unquantized())])
+    assert ledger.fits(shape)
+    ledger.reserve(1, shape)
+    ledger.reserve(2, shape)
+    assert not ledger.fits(shape) and ledger.room() == 10
+    ledger.release(1, after_step=True)  # a prompt row: freed after the next step
+    assert not ledger.fits(shape)
+    ledger.settle()
+    assert ledger.fits(shape)
+    verdict = ledger.verdict(Shape(20, 2000))
+    assert not verdict.fits_alone and verdict.needs == cost.bound([Shape(20, 2000)])
+    fit = Shape(20, 20 + verdict.max_tokens_fit)
+    assert cost.bound([fit]) <= ledger.budget < cost.bound([Shape(20, fit.total + 1)])
+    # a group admits only what every rank holds
+    small = Share(one, cost)
+    group = Ledger([Share(10 * one, cost), small])
+    group.reserve(1, shape)
+    assert not group.fits(shape) and not group.verdict(Shape(20, 2000)).fits_alone
+
+
+def test_default_budget_from_the_machine():
+    gib = 2**30
+    size, how = default_budget(gib, MachineMemory(None, 16 * gib))
+    assert size == 7 * gib and "50% of RAM" in how
+    size, how = default_budget(gib, MachineMemory(32 * gib, 64 * gib))
+    assert size == int(0.9 * 32 * gib) - gib and "working set" in how
+    assert default_budget(20 * gib, MachineMemory(None, 16 * gib))[0] == 0
+
+
+def _flood(engine: Engine, requests: list[tuple[list[int], int]], cancel=()) -> list[Sink]:
+    sinks = []
+    for i, (prompt, max_tokens) in enumerate(requests):
+        sink = Sink()
+        request = GenerationRequest(prompt, SamplingParams(max_tokens=max_tokens))
+        engine.submit(request, sink)
+        sinks.append(sink)
+        if i in cancel:
+            time.sleep(0.02)
+            engine.cancel(request.id)
+            sink.cancelled = True
+    for s in sinks:
+        if not getattr(s, "cancelled", False):
+            assert s.done.wait(WAIT_S), "a request was never answered"
+    return sinks
+
+
+def _engine(model, tokenizer, kv, budget, **options) -> Engine:
+    plan = plan_kv(model, kv, batch=True)
+    engine = Engine(model, tokenizer, plan, kv, EngineOptions(
+        kv_cache_memory=budget, max_context=plan.max_context, **options))  # fmt: skip
+    engine.start()
+    assert engine.readiness.ready_event.wait(WAIT_S) and engine.readiness.ready
+    return engine
+
+
+@pytest.mark.parametrize(
+    ("name", "budget"), [("default", 700_000), ("4-bit from token 40", 2_500_000)]
+)
+def test_engine_never_holds_more_than_the_budget_or_the_bound(loaded, name, budget, monkeypatch):
+    """Mixed lengths, 16-token prefill chunks, prompt-cache hits and cancels."""
+    model, tokenizer = loaded
+    measured = []
+    check = Ledger.check
+
+    def spy(self, live, prompt_cache):
+        measured.append((live, self.reserved(), prompt_cache))
+        return check(self, live, prompt_cache)
+
+    monkeypatch.setattr(Ledger, "check", spy)
+    engine = _engine(model, tokenizer, SETTINGS[name], budget, prefill_step_size=16,
+                     prompt_concurrency=3, prompt_cache_size=16)  # fmt: skip
+    try:
+        rng = random.Random(1)
+        shared = [rng.randrange(1, 300) for _ in range(200)]
+        _flood(engine, [(shared[:50], 4)])  # a conversation's first turn, in the prompt cache
+        requests = [(shared[:80], 30), (shared[:120], 20)]  # its next turns
+        for _ in range(10):
+            if rng.random() < 0.3:
+                prompt = shared[: rng.randrange(10, 160)]
+            else:
+                prompt = [rng.randrange(1, 300) for _ in range(rng.randrange(1, 100))]
+            requests.append((prompt, rng.randrange(1, 40)))
+        sinks = _flood(engine, requests, cancel={3, 9})
+    finally:
+        engine.stop()
+    ends = [s.end for s in sinks if not getattr(s, "cancelled", False)]
+    assert all(isinstance(e, FinishEvent) for e in ends), ends
+    ledger = engine.budget
+    assert ledger.overruns == 0 and ledger.bound_misses == 0
+    assert 0 < ledger.peak_held <= budget
+    assert len(measured) > 50
+    for live, reserved, prompt_cache in measured:
+        assert live <= reserved and live + prompt_cache <= budget
+    # the bound is not vacuous: at its tightest the batch holds most of it
+    assert max(live / reserved for live, reserved, _ in measured if reserved) > 0.6
+    assert engine.metrics.snapshot().max_batch_size >= 2
+    assert engine.prompt_cache.stats().hits > 0
+
+
+def test_live_bytes_are_the_cache_report(loaded, monkeypatch):
+    """What the engine measures after a step is what `cache_report` shows."""
+    model, tokenizer = loaded
+    pairs = []
+    check = Ledger.check
+    engines = []
+
+    def spy(self, live, prompt_cache):
+        caches = batch_caches(engines[0]._bg)
+        pairs.append((live, sum(int(r["nbytes"]) for r in cache_report(caches))))
+        return check(self, live, prompt_cache)
+
+    monkeypatch.setattr(Ledger, "check", spy)
+    engines.append(_engine(model, tokenizer, DEFAULT_KV_CONFIG, 10**7, prefill_step_size=32))
+    try:
+        _flood(engines[0], [(list(range(1, 90)), 40), (list(range(5, 30)), 60)])
+    finally:
+        engines[0].stop()
+    assert pairs and all(live == reported for live, reported in pairs)
+    assert max(live for live, _ in pairs) > 0
+
+
+def test_default_setting_runs_3x_the_sequences_of_unquantized(loaded):
+    """One budget, the same flood: sequences decoded together at once."""
+    model, tokenizer = loaded
+    budget = 2_000_000
+    at_once = {}
+    for name in ("unquantized", "default"):
+        engine = _engine(model, tokenizer, SETTINGS[name], budget, prompt_cache_size=0)
+        try:
+            requests = [([1 + (i * 7 + j) % 300 for j in range(60)], 16) for i in range(12)]
+            sinks = _flood(engine, requests)
+            assert all(isinstance(s.end, FinishEvent) for s in sinks)
+            at_once[name] = engine.metrics.snapshot().max_batch_size
+            assert engine.budget.overruns == 0 and engine.budget.peak_held <= budget
+            fits = engine.budget.share.cost.sequences(budget, Shape(60, 76))
+            assert at_once[name] <= fits
+        finally:
+            engine.stop()
+    print(f"under {budget} bytes: sequences at once {at_once}")
+    assert at_once["unquantized"] >= 1
+    assert at_once["default"] >= 3 * at_once["unquantized"]
+
+
+def test_request_that_never_fits_is_refused_at_once(loaded):
+    model, tokenizer = loaded
+    engine = _engine(model, tokenizer, DEFAULT_KV_CONFIG, 400_000, max_queued_requests=2)
+    try:
+        sink = Sink()
+        engine.submit(GenerationRequest(list(range(1, 50)), SamplingParams(max_tokens=3000)), sink)
+        assert sink.done.is_set()  # answered inside submit(), not after a step
+        assert isinstance(sink.end, ErrorEvent) and sink.end.status == 400
+        assert "KV budget of 390.6 KiB" in sink.end.message
+        assert "lower max_tokens to" in sink.end.message
+        assert engine.metrics.snapshot().rejections == {"kv_budget": 1}
+    finally:
+        engine.stop()
+
+
+class TwoRanks(LocalCoordinator):
+    """A group of two in one process: the other rank has half this one's budget."""
+
+    def agree_budget(self, mine: BudgetShare):
+        return [mine, BudgetShare(mine.budget // 2, mine.cost, mine.unquantized)], 0
+
+
+def test_a_group_admits_what_every_rank_holds(loaded):
+    model, tokenizer = loaded
+    budget = 1_200_000
+    plan = plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
+    options = EngineOptions(kv_cache_memory=budget, max_context=plan.max_context)
+    engine = Engine(model, tokenizer, plan, DEFAULT_KV_CONFIG, options, coordinator=TwoRanks())
+    engine.start()
+    try:
+        assert engine.readiness.ready_event.wait(WAIT_S) and engine.readiness.ready
+        shape = Shape(60, 120)
+        cost = engine.budget.share.cost
+        assert cost.sequences(budget // 2, shape) < cost.sequences(budget, shape)
+        assert engine.capacity.ranks == 2 and "per rank (2 ranks)" in engine.capacity.line
+        requests = [([1 + (i * 5 + j) % 300 for j in range(60)], 60) for i in range(8)]
+        sinks = _flood(engine, requests)
+        assert all(isinstance(s.end, FinishEvent) for s in sinks)
+        assert engine.metrics.snapshot().max_batch_size <= cost.sequences(budget // 2, shape)
+        # the prompt cache is charged by its entries' bound on each rank
+        charged = sum(cost.entry_bytes(n) for n in engine.prompt_cache.token_counts())
+        assert 0 < charged <= budget // 2
+        assert engine.budget.overruns == 0 and engine.budget.bound_misses == 0
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def full_only(tmp_path_factory):
+    # float32, 2 full-attention layers: its caches can be cut back to a prefix
+    path = save_tiny_model(
+        tmp_path_factory.mktemp("budget") / "llama", "llama", max_position_embeddings=4096
+    )
+    return load(str(path))
+
+
+def test_a_reused_prefix_holds_only_what_it_covers(full_only):
+    model, _ = full_only
+    plan = plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
+    per_token = sum(s.stored for s in share_for(plan, 1, prefill_step=64, prompt_rows=1).cost.slots)
+    tokens = [1 + i % 300 for i in range(300)]
+    cache = plan.make_cache()
+    model(mx.array([tokens]), cache=cache)
+    assert cache[0].keys.length == 512  # buffers grow in 256-token steps
+    pc = PromptCache(max_entries=4)
+    assert pc.insert(tokens, cache)
+    assert pc.nbytes == 300 * per_token  # the entry holds what it covers
+    copy, covered = pc.fetch(tokens[:100] + [7])
+    assert covered == 100
+    assert cache_nbytes(copy) == 100 * per_token  # cut back and compacted, not 512 slots
+
+
+def test_prompt_cache_reuse_and_insertions_stay_within_the_budget(full_only, monkeypatch):
+    """A long turn in the prompt cache; a shorter prompt reuses its start (a copy
+    cut back to it); a long new prompt makes the prompt cache yield. Measured
+    inside the engine after admissions and insertions as well as after steps."""
+    model, tokenizer = full_only
+    budget = 360_000
+    measured = []
+    check = Ledger.check
+
+    def spy(self, live, prompt_cache):
+        measured.append((live, self.reserved(), prompt_cache))
+        return check(self, live, prompt_cache)
+
+    monkeypatch.setattr(Ledger, "check", spy)
+    engine = _engine(model, tokenizer, DEFAULT_KV_CONFIG, budget, prefill_step_size=64)
+    try:
+        long = [1 + (i * 7) % 300 for i in range(600)]
+        other = [2 + (i * 11) % 293 for i in range(550)]
+        sinks = _flood(engine, [(long, 2)])
+        sinks += _flood(engine, [(long[:120] + [5], 2)])
+        sinks += _flood(engine, [(other, 2)])
+    finally:
+        engine.stop()
+    assert all(isinstance(s.end, FinishEvent) for s in sinks), [s.end for s in sinks]
+    assert sinks[1].end.usage.cached_tokens == 120
+    stats = engine.prompt_cache.stats()
+    assert stats.hits == 1 and stats.evictions >= 1
+    ledger = engine.budget
+    assert ledger.overruns == 0 and ledger.bound_misses == 0
+    assert len(measured) > engine.metrics.snapshot().steps  # not only after steps
+    for live, reserved, prompt_cache in measured:
+        assert live <= reserved and live + prompt_cache <= budget
+    assert max(live + pc for live, _, pc in measured) > budget // 2
+
+
+def test_kv_cache_memory_sizes():
+    """--kv-cache-memory: bytes, or a decimal or binary suffix."""
+    from mlx_kvq.commands.flags import parse_size
+
+    sizes = {"1000000": 10**6, "64KiB": 64 << 10, "512MiB": 512 << 20, "2GiB": 2 << 30,
+             "100KB": 10**5, "512MB": 512 * 10**6, "2GB": 2 * 10**9, "1.5 GiB": 3 << 29}  # fmt: skip
+    assert {text: parse_size(text) for text in sizes} == sizes
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        parse_size("2 parsecs")

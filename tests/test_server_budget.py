@@ -1,0 +1,144 @@
+"""A server under a small KV budget, flooded with more long requests than fit.
+
+The requests arrive while the warm-up is held back, so the queue is full
+and its depth known: one more gets 429 with Retry-After, one that could
+never fit gets 400 at once naming the budget and what it needs, and once
+the engine runs every queued request is served, never more of them at once
+than the budget holds, with the bytes held (live sequences and prompt cache)
+never above the budget after any step (counted inside the engine).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from kvq_testing.server import ServerProcess
+from kvq_testing.tiny import save_tiny_model
+from mlx_lm import load
+
+from mlx_kvq.defaults import DEFAULT_KV_CONFIG
+from mlx_kvq.engine.budget import Shape, share_for
+from mlx_kvq.plan import plan_kv
+
+BUDGET = 400_000  # bytes: three of the requests below at the default KV setting
+QUEUE = 6
+PROMPT, MAX_TOKENS = 40, 150
+WAIT_S = 300
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(
+        tmp_path_factory.mktemp("budget") / "m", "gemma3_text", sliding_window=32,
+        max_position_embeddings=4096,
+    )  # fmt: skip
+
+
+def wait_for(predicate, what):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def completion(server, prompt, max_tokens, stream=False):
+    body = {"model": "default_model", "prompt": prompt, "max_tokens": max_tokens}
+    if not stream:
+        return httpx.post(server.url + "/v1/completions", json=body, timeout=WAIT_S)
+    body["stream"] = True
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=WAIT_S) as r:
+        r.read()
+        return r
+
+
+def test_flood_under_a_small_budget(model_dir, tmp_path):
+    model, _ = load(str(model_dir))
+    plan = plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
+    cost = share_for(plan, BUDGET, prefill_step=2048, prompt_rows=8).cost
+    fits = cost.sequences(BUDGET, Shape(PROMPT, PROMPT + MAX_TOKENS))
+    assert 2 <= fits < QUEUE
+
+    gate = tmp_path / "gate"
+    args = ("--kv-cache-memory", str(BUDGET), "--max-queued-requests", str(QUEUE),
+            "--warmup-gate", str(gate))  # fmt: skip
+    with ServerProcess(model_dir, *args) as server:
+        server.wait_for("/health", 503)
+        assert "KV budget 390.6 KiB" in server.log()  # the capacity line, at startup
+
+        answers: dict[int, httpx.Response] = {}
+
+        def ask(i: int) -> None:
+            prompt = [1 + (7 * i + j) % 300 for j in range(PROMPT)]
+            answers[i] = completion(server, prompt, MAX_TOKENS, stream=i % 2 == 1)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(QUEUE)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: server.metrics()["mlx_kvq_queue_depth"] == QUEUE, "a full queue")
+
+        full = completion(server, list(range(1, PROMPT + 1)), 10)
+        assert full.status_code == 429, full.text
+        assert full.headers["Retry-After"].isdigit()
+        assert full.json()["error"]["code"] == "queue_full"
+        assert "--max-queued-requests" in full.json()["error"]["message"]
+
+        t0 = time.monotonic()
+        huge = completion(server, list(range(1, PROMPT + 1)), 4000)
+        assert huge.status_code == 400, huge.text
+        assert time.monotonic() - t0 < 30  # answered while the queue waits
+        error = huge.json()["error"]
+        assert error["code"] == "kv_budget_exceeded"
+        for words in ("needs up to", "KV budget of 390.6 KiB", "--kv-cache-memory", "max_tokens"):
+            assert words in error["message"], error["message"]
+
+        def budget_status():
+            return httpx.get(server.url + "/status", timeout=10).json()["budget"]
+
+        waiting = budget_status()  # what the page shows while the queue waits
+        assert (waiting["admitted"], waiting["waiting"]) == (0, QUEUE)
+
+        gate.touch()
+        admitted = []  # sequences admitted, as the page sees them while the flood runs
+        while any(t.is_alive() for t in threads):
+            admitted.append(budget_status()["admitted"])
+            time.sleep(0.05)
+        for t in threads:
+            t.join(WAIT_S)
+        assert 2 <= max(admitted) <= fits, admitted
+        assert sorted(answers) == list(range(QUEUE))
+        for i, r in answers.items():
+            assert r.status_code == 200, (i, r.text)
+            if i % 2 == 0:
+                assert r.json()["usage"]["prompt_tokens"] == PROMPT
+            else:
+                assert r.text.rstrip().endswith("data: [DONE]")
+
+        m = wait_for(
+            lambda: (m := server.metrics())["mlx_kvq_batch_size"] == 0 and m, "an idle engine"
+        )
+        print(f"{QUEUE} requests under {BUDGET} bytes: {m['mlx_kvq_batch_size_max']:.0f} at once")
+        assert m['mlx_kvq_requests_total{status="ok"}'] == QUEUE
+        assert m['mlx_kvq_rejections_total{reason="queue_full"}'] == 1
+        assert m['mlx_kvq_rejections_total{reason="kv_budget"}'] == 1
+        assert m["mlx_kvq_kv_cache_memory_bytes"] == BUDGET
+        assert m["mlx_kvq_kv_budget_overruns_total"] == 0
+        assert 0 < m["mlx_kvq_kv_bytes_held_max"] <= BUDGET
+        assert 2 <= m["mlx_kvq_batch_size_max"] <= fits
+        assert m["mlx_kvq_kv_bytes_reserved"] == 0 and m["mlx_kvq_kv_bytes_live"] == 0
+        assert m["mlx_kvq_kv_sequences_admitted"] == 0
+
+        health = server.health().json()["kv_budget"]
+        assert health["budget"] == BUDGET and health["tokens"] == 4096  # the model's context
+        assert health["sequences"] == cost.sequences(BUDGET, Shape(4095, 4096))
+        unquantized = cost.unquantized().sequences(BUDGET, Shape(4095, 4096))
+        assert health["sequences_unquantized"] == unquantized
+        assert health["line"].startswith("KV budget 390.6 KiB: ")
+        status = httpx.get(server.url + "/status", timeout=10).json()["budget"]
+        assert status["bytes"] == BUDGET and status["capacity"] == health["line"]
+        assert status["reserved"] == status["live"] == status["admitted"] == status["waiting"] == 0
