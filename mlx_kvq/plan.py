@@ -614,7 +614,11 @@ def _replace(p: LayerPlan, **changes) -> LayerPlan:
 
 
 def _check_rotation(dk: int, dv: int, where: str) -> None:
+    """Refuse a head dimension the Hadamard transform cannot rotate; a
+    dimension of 0 (an indexer's absent values) stores nothing to rotate."""
     for d in (dk, dv):
+        if d == 0:
+            continue
         try:
             mx.eval(mx.hadamard_transform(mx.zeros((1, d))))
         except Exception as e:

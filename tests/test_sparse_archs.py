@@ -37,6 +37,7 @@ import mlx_kvq
 from mlx_kvq.caches import KVQIndexerCache, KVQLayerCache, cache_report
 from mlx_kvq.caches.layer import KVQCompressedRows, KVQWindowRows
 from mlx_kvq.config import KVConfig, QuantSpec, UnsupportedKVConfig
+from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 from mlx_kvq.generate import load_prompt_cache, save_prompt_cache
 from mlx_kvq.plan import KV_KINDS, plan_kv
 
@@ -68,10 +69,13 @@ def _greedy(model, cache=None, prompt=None, n=N_TOKENS) -> list[int]:
     return [int(t) for t, _ in gen]
 
 
+@pytest.mark.parametrize("cfg", [KVConfig(bits=4), DEFAULT_KV_CONFIG], ids=["4bit", "default"])
 @pytest.mark.parametrize("name", MODELS)
-def test_every_kv_leaf_quantized_bounded_and_as_planned(models, name):
+def test_every_kv_leaf_quantized_bounded_and_as_planned(models, name, cfg):
+    """With plain 4-bit and with the default (rotation; bounded layers at their
+    own width), which indexers without values must take too."""
     model = models[name]
-    plan = plan_kv(model, KVConfig(bits=4))
+    plan = plan_kv(model, cfg)
     assert plan.max_batch == (1 if name == "deepseek_v41" else None)
     cache = plan.make_cache()
     assert len(_greedy(model, cache)) == N_TOKENS
