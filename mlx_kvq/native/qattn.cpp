@@ -139,10 +139,12 @@ int max_threads() {
 
 template <typename F>
 void parallel_for(int n, int64_t work, F&& f) {
-  // Large calls are split over threads; small ones (most decode steps over
-  // short caches) run inline, where starting threads would cost more.
+  // Large calls are split over threads; small ones (decode steps over short
+  // caches, under 2^21 multiply-adds) run inline: there, starting threads
+  // costs more, and on a machine whose cores OpenBLAS's threads still spin
+  // on after a product, new threads wait for a core (docs/performance.md).
   int cores = max_threads();
-  int threads = int(std::min<int64_t>({int64_t(cores), int64_t(n), work / (1 << 18) + 1}));
+  int threads = int(std::min<int64_t>({int64_t(cores), int64_t(n), work / (1 << 21) + 1}));
   if (threads <= 1) {
     for (int i = 0; i < n; ++i) f(i);
     return;
