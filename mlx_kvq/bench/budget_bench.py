@@ -22,7 +22,7 @@ import time
 import mlx.core as mx
 
 from .model_bench import build_model, free
-from .serving_bench import BenchTokenizer
+from .serving_bench import BenchTokenizer, decode_totals
 from .settings import BenchSettings
 from .timing import Stat
 
@@ -37,24 +37,6 @@ def kv_setting(name: str, group_size: int):
         return DEFAULT_KV_CONFIG
     bits = None if name == "unquantized" else int(name.split("-")[0])
     return KVConfig(bits=bits, group_size=group_size)
-
-
-def _metrics():
-    """Engine metrics that also add up decode work (mlx-lm's step timer)."""
-    from ..engine import EngineMetrics
-
-    class DecodeTotals(EngineMetrics):
-        def __init__(self):
-            super().__init__()
-            self.decode_time = 0.0
-            self.gen_tokens = 0
-
-        def record_step(self, prompt_tokens, prompt_time, gen_tokens, decode_time):
-            self.decode_time += decode_time
-            self.gen_tokens += gen_tokens
-            super().record_step(prompt_tokens, prompt_time, gen_tokens, decode_time)
-
-    return DecodeTotals()
 
 
 def _flood(engine, n: int, settings: BenchSettings, vocab: int, seed: int) -> dict:
@@ -143,7 +125,7 @@ def run(settings: BenchSettings, log=print) -> dict:
             )
             engine = Engine(
                 model, BenchTokenizer(vocab), plans[name], kv_setting(name, settings.group_size),
-                options, metrics=_metrics(),
+                options, metrics=decode_totals(),
             )  # fmt: skip
             engine.start()
             engine.readiness.ready_event.wait(timeout=3600)

@@ -64,12 +64,12 @@ class BenchTokenizer:
         return _Detokenizer()
 
 
-def _metrics_class():
+def decode_totals():
+    """Engine metrics that also keep running totals of decode work (mlx-lm's
+    step timer), for the serving and budget sections."""
     from ..engine import EngineMetrics
 
-    class Totals(EngineMetrics):
-        """Engine metrics that also keep running totals of decode work."""
-
+    class DecodeTotals(EngineMetrics):
         def __init__(self):
             super().__init__()
             self.decode_time = 0.0
@@ -80,7 +80,7 @@ def _metrics_class():
             self.gen_tokens += gen_tokens
             super().record_step(prompt_tokens, prompt_time, gen_tokens, decode_time)
 
-    return Totals
+    return DecodeTotals()
 
 
 def _run_once(engine, metrics, n: int, settings: BenchSettings, vocab: int, rng_seed: int) -> dict:
@@ -179,7 +179,7 @@ def run(settings: BenchSettings, log=print) -> dict:
         for b in configs:
             kv = KVConfig(bits=b, group_size=settings.group_size)
             plan = plan_kv(model, kv, batch=True)
-            metrics = _metrics_class()()
+            metrics = decode_totals()
             options = EngineOptions(
                 decode_concurrency=max(settings.streams),
                 prompt_concurrency=max(settings.streams),
