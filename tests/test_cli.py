@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -156,3 +157,22 @@ def test_skipped_layers_hold_unquantized_bytes_through_generate(tmp_path):
               "--kv-bits", "4", "--max-tokens", "4"]  # fmt: skip
     assert "Generation: " in run(*follow, *skip).stdout
     assert "layer 0 is unquantized" in run(*follow, rc=2).stderr
+
+
+def test_server_log_follows_the_current_stderr(monkeypatch):
+    """Records go to `sys.stderr` as it is when they are emitted, not to the
+    stream that was current when logging was set up (closed since)."""
+    import io
+    import logging
+
+    from mlx_kvq.commands.serve import setup_logging
+
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    setup_logging(argparse.Namespace(log_level="INFO"))
+    first.close()
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("mlx_kvq.server").info("after the first stream closed")
+    written = second.getvalue()
+    assert "INFO mlx_kvq.server: after the first stream closed" in written
+    assert "Logging error" not in written

@@ -284,11 +284,22 @@ def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
     )
 
 
+class CurrentStderr(logging.StreamHandler):
+    """Writes each record to `sys.stderr` as it is when the record is emitted
+    (a handler bound to the stream of its creation keeps writing to it after
+    it is replaced and closed, as a test's captured stream is)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def setup_logging(args: argparse.Namespace, rank: int | None = None) -> None:
     where = "" if rank is None else f"rank {rank} "
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format=f"%(asctime)s {where}%(levelname)s %(name)s: %(message)s",
+        handlers=[CurrentStderr()],
         force=True,
     )
 
