@@ -763,6 +763,7 @@ class Engine:
         self.metrics.record_step(
             stats.prompt_tokens, stats.prompt_time, stats.generation_tokens, stats.decode_time
         )
+        stepped = {id(v.sampler): v.sampler for v in self._live.values()}
         self._prompting.difference_update(r.uid for r in prompt_responses if r.end_of_prompt)
         self._snapshot_prompts(prompt_responses)
         self._send_progress(prompt_responses)
@@ -785,20 +786,24 @@ class Engine:
         if stopped:  # stop strings: take them out of the batch, keep their caches
             for uid, (cache, tokens) in self._bg.remove(stopped, return_prompt_caches=True).items():
                 self._finish(uid, FinishReason.STOP, cache, tokens)
-        self._fail_sampling_errors()
+        self._fail_sampling_errors(list(stepped.values()))
         self._check_budget()
 
-    def _fail_sampling_errors(self) -> None:
+    def _fail_sampling_errors(self, stepped: list[Guarded]) -> None:
         """Fail the requests whose sampler or logits processor raised during the
-        step (see sampling.Guarded and processors.GuardedProcessor)."""
-        failed = {id(v.sampler): v.sampler for v in self._live.values() if v.sampler.error}
+        step (see sampling.Guarded and processors.GuardedProcessor), then clear
+        the errors of every sampler the step used (`stepped`): the batch samples
+        one token ahead, so the error of a request that finished in this step
+        is about a token never used, and a shared sampler must not carry it
+        to the next request with the same settings."""
+        failed = {id(s) for s in stepped if s.error}
         for live in list(self._live.values()):
             error = next((p.error for p in live.processors or () if p.error is not None), None)
             if id(live.sampler) in failed:
                 error = live.sampler.error
             if error is not None:
                 self._fail(live, error)
-        for sampler in failed.values():
+        for sampler in stepped:
             sampler.take_error()
 
     def _send_progress(self, prompt_responses: list) -> None:
