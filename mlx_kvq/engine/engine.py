@@ -690,23 +690,29 @@ class Engine:
 
     def _move_to_batch(self) -> None:
         """The lane's sequence goes on in the batch: its cache, its tokens so
-        far, what is left of its token limit (see `_admit`)."""
+        far, what is left of its token limit (see `_admit`). If that fails, the
+        lane's request fails, not the one that made it move."""
         live = self._lane.owner
-        cache, held, rest = self._lane.take(live.completion_tokens, leave=1)
-        if live.completion_tokens:
-            pieces, cuts = [rest], []
-        else:  # still prefilling: the rest of the prompt, cut where the prompt cache keeps copies
-            pieces, cuts = split_prompt(held + rest, len(held), self._checkpoints(live.request))
-        live.cuts = deque(cuts)
-        (uid,) = self._bg.insert_segments(
-            [pieces],
-            max_tokens=[self._max_tokens(live.request) - live.completion_tokens],
-            caches=[cache],
-            all_tokens=[held],
-            samplers=[live.sampler],
-            logits_processors=[live.processors],
-            stop_sequences=[self._eos],
-        )
+        try:
+            cache, held, rest = self._lane.take(live.completion_tokens, leave=1)
+            if live.completion_tokens:
+                pieces, cuts = [rest], []
+            else:  # still prefilling: the rest of the prompt, cut where the prompt cache copies
+                pieces, cuts = split_prompt(held + rest, len(held), self._checkpoints(live.request))
+            live.cuts = deque(cuts)
+            (uid,) = self._bg.insert_segments(
+                [pieces],
+                max_tokens=[self._max_tokens(live.request) - live.completion_tokens],
+                caches=[cache],
+                all_tokens=[held],
+                samplers=[live.sampler],
+                logits_processors=[live.processors],
+                stop_sequences=[self._eos],
+            )
+        except Exception as e:  # noqa: BLE001 - the lane's request fails, the engine goes on
+            self._lane.drop()
+            self._fail(live, e)
+            return
         live.uid = uid
         self._live[uid] = live
         self._prompting.add(uid)  # what is left goes through the prompt batch
