@@ -18,6 +18,7 @@ from mlx_lm import generate, load
 from mlx_lm.sample_utils import make_logits_processors
 
 import mlx_kvq.engine.processors as processors
+import mlx_kvq.engine.sampling as sampling
 from mlx_kvq.config import KVConfig
 from mlx_kvq.engine import (
     Engine,
@@ -183,6 +184,35 @@ def test_a_failing_processor_fails_only_its_request(engine, loaded, monkeypatch)
     assert [c.text for c in others] == [want for _, want in LOOP_BREAKS.values()]
     assert engine.metrics.snapshot().requests.get("error", 0) == before + 1
     assert engine.alive and engine.readiness.ready
+
+
+def test_a_sampler_error_after_the_last_token_fails_no_later_request(engine, loaded, monkeypatch):
+    """The batch samples one token ahead: a shared sampler that raises while
+    drawing the unused token after a request's last one must not fail the
+    next request with the same settings."""
+    path, _, tokenizer = loaded
+    real = sampling.make_sampler
+    calls = []
+
+    def make(**kw):
+        inner = real(**kw)
+
+        def sample(logprobs):
+            calls.append(1)
+            if len(calls) == 3:  # the draw after the second (last) token of the first request
+                raise RuntimeError("sampler exploded")
+            return inner(logprobs)
+
+        return sample
+
+    monkeypatch.setattr(sampling, "make_sampler", make)
+    tokens = prompt(tokenizer, "What does the clock say?")
+    first = submit(engine, tokens, params(path, {}, temperature=0.013, max_tokens=2))
+    assert isinstance(first.wait().end, FinishEvent) and first.text == "ticktock"
+    assert len(calls) == 3
+    second = submit(engine, tokens, params(path, {}, temperature=0.013))
+    assert isinstance(second.wait().end, FinishEvent), second.end
+    assert second.text == LOOP
 
 
 def test_grammars_constrain_the_answer(engine, loaded):

@@ -22,6 +22,7 @@ from mlx_kvq.engine import (
     DraftModel,
     Engine,
     EngineOptions,
+    ErrorEvent,
     FinishEvent,
     GenerationRequest,
     SamplingParams,
@@ -222,3 +223,29 @@ def test_the_lane_counts_against_the_kv_budget(models, monkeypatch):
     assert on_lane and max(live for live, *_ in on_lane) > 0  # the lane's bytes were counted
     for live, reserved, prompt_cache, _ in measured:
         assert live <= reserved and live + prompt_cache <= budget
+
+
+def test_a_failed_move_fails_the_lane_request_alone(models, monkeypatch):
+    """When the lane's sequence cannot move into the batch, its own request
+    gets the error and frees its reservation; the request that arrived runs."""
+    model, tokenizer, plan, kv, draft = models
+    eng = Engine(model, tokenizer, plan, kv,
+                 EngineOptions(kv_cache_memory=3_000_000, max_context=plan.max_context),
+                 draft=draft)  # fmt: skip
+    eng.start()
+    try:
+        assert eng.readiness.ready_event.wait(WAIT_S) and eng.readiness.ready
+        first = submit(eng, prompt(tokenizer, "The clock."), max_tokens=120)
+        wait_until(lambda: len(first.tokens) >= 8, "speculative decoding to start")
+
+        def broken(*args, **kw):
+            raise RuntimeError("the move failed")
+
+        monkeypatch.setattr(eng._lane, "take", broken)
+        other = submit(eng, prompt(tokenizer, f"{FILLER} story 1"), draft=0)
+        assert isinstance(other.wait().end, FinishEvent), other.end
+        assert other.text == ANSWER
+        assert isinstance(first.wait().end, ErrorEvent) and "the move failed" in first.end.message
+        assert not eng._lane.busy and not eng.budget.shapes and not eng.budget.extras
+    finally:
+        eng.stop()

@@ -690,23 +690,29 @@ class Engine:
 
     def _move_to_batch(self) -> None:
         """The lane's sequence goes on in the batch: its cache, its tokens so
-        far, what is left of its token limit (see `_admit`)."""
+        far, what is left of its token limit (see `_admit`). If that fails, the
+        lane's request fails, not the one that made it move."""
         live = self._lane.owner
-        cache, held, rest = self._lane.take(live.completion_tokens, leave=1)
-        if live.completion_tokens:
-            pieces, cuts = [rest], []
-        else:  # still prefilling: the rest of the prompt, cut where the prompt cache keeps copies
-            pieces, cuts = split_prompt(held + rest, len(held), self._checkpoints(live.request))
-        live.cuts = deque(cuts)
-        (uid,) = self._bg.insert_segments(
-            [pieces],
-            max_tokens=[self._max_tokens(live.request) - live.completion_tokens],
-            caches=[cache],
-            all_tokens=[held],
-            samplers=[live.sampler],
-            logits_processors=[live.processors],
-            stop_sequences=[self._eos],
-        )
+        try:
+            cache, held, rest = self._lane.take(live.completion_tokens, leave=1)
+            if live.completion_tokens:
+                pieces, cuts = [rest], []
+            else:  # still prefilling: the rest of the prompt, cut where the prompt cache copies
+                pieces, cuts = split_prompt(held + rest, len(held), self._checkpoints(live.request))
+            live.cuts = deque(cuts)
+            (uid,) = self._bg.insert_segments(
+                [pieces],
+                max_tokens=[self._max_tokens(live.request) - live.completion_tokens],
+                caches=[cache],
+                all_tokens=[held],
+                samplers=[live.sampler],
+                logits_processors=[live.processors],
+                stop_sequences=[self._eos],
+            )
+        except Exception as e:  # noqa: BLE001 - the lane's request fails, the engine goes on
+            self._lane.drop()
+            self._fail(live, e)
+            return
         live.uid = uid
         self._live[uid] = live
         self._prompting.add(uid)  # what is left goes through the prompt batch
@@ -763,6 +769,7 @@ class Engine:
         self.metrics.record_step(
             stats.prompt_tokens, stats.prompt_time, stats.generation_tokens, stats.decode_time
         )
+        stepped = {id(v.sampler): v.sampler for v in self._live.values()}
         self._prompting.difference_update(r.uid for r in prompt_responses if r.end_of_prompt)
         self._snapshot_prompts(prompt_responses)
         self._send_progress(prompt_responses)
@@ -785,20 +792,24 @@ class Engine:
         if stopped:  # stop strings: take them out of the batch, keep their caches
             for uid, (cache, tokens) in self._bg.remove(stopped, return_prompt_caches=True).items():
                 self._finish(uid, FinishReason.STOP, cache, tokens)
-        self._fail_sampling_errors()
+        self._fail_sampling_errors(list(stepped.values()))
         self._check_budget()
 
-    def _fail_sampling_errors(self) -> None:
+    def _fail_sampling_errors(self, stepped: list[Guarded]) -> None:
         """Fail the requests whose sampler or logits processor raised during the
-        step (see sampling.Guarded and processors.GuardedProcessor)."""
-        failed = {id(v.sampler): v.sampler for v in self._live.values() if v.sampler.error}
+        step (see sampling.Guarded and processors.GuardedProcessor), then clear
+        the errors of every sampler the step used (`stepped`): the batch samples
+        one token ahead, so the error of a request that finished in this step
+        is about a token never used, and a shared sampler must not carry it
+        to the next request with the same settings."""
+        failed = {id(s) for s in stepped if s.error}
         for live in list(self._live.values()):
             error = next((p.error for p in live.processors or () if p.error is not None), None)
             if id(live.sampler) in failed:
                 error = live.sampler.error
             if error is not None:
                 self._fail(live, error)
-        for sampler in failed.values():
+        for sampler in stepped:
             sampler.take_error()
 
     def _send_progress(self, prompt_responses: list) -> None:
