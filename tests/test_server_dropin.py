@@ -209,6 +209,25 @@ def sse_lines(server, path, body) -> list[str]:
         return [line for line in r.iter_lines() if line]
 
 
+def sse_chunks(server, path, body) -> list[dict]:
+    lines = sse_lines(server, path, body)
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1] if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_stream_carries_usage_only_when_asked(servers, path):
+    """As OpenAI and mlx_lm.server: without `stream_options.include_usage` no
+    chunk has `usage`; with it, one last chunk with no choices has it."""
+    body = {"messages": user(CLOCK)} if "chat" in path else {"prompt": CLOCK}
+    body["max_tokens"] = 4
+    for server in servers:
+        assert not [c for c in sse_chunks(server, path, body) if "usage" in c]
+    chunks = sse_chunks(servers[0], path, {**body, "stream_options": {"include_usage": True}})
+    assert [c for c in chunks if "usage" in c] == [chunks[-1]] and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
 def test_keepalive_comments_during_a_long_prefill(servers):
     """mlx_lm.server's `: keepalive N/M` after each prefill step (32 tokens here)."""
     ours, theirs = servers

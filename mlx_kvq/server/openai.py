@@ -270,9 +270,8 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
                     yield keepalive(ev)
                 elif isinstance(ev, FinishEvent):
                     delta, reason = output.finish(ev.reason.value)
-                    usage = None if include_usage else ev.usage
                     yield sse(schemas.chat_chunk(cid, model, delta.fields(), reason,
-                                                 logprobs(pending), usage))  # fmt: skip
+                                                 logprobs(pending)))  # fmt: skip
                     if include_usage:
                         yield sse(schemas.chat_chunk(cid, model, None, usage=ev.usage))
                     yield SSE_DONE
@@ -325,9 +324,8 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
                 elif isinstance(ev, PromptProgress) or ev is IDLE:
                     yield keepalive(ev)
                 elif isinstance(ev, FinishEvent):
-                    usage = None if include_usage else ev.usage
                     lp = logprobs(pending, offset)
-                    yield sse(schemas.completion_body(cid, model, "", ev.reason, usage, lp))
+                    yield sse(schemas.completion_body(cid, model, "", ev.reason, None, lp))
                     if include_usage:
                         chunk = schemas.completion_body(cid, model, "", None, ev.usage, None)
                         chunk["choices"] = []
