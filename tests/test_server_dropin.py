@@ -228,6 +228,15 @@ def test_a_stream_carries_usage_only_when_asked(servers, path):
     assert chunks[-1]["usage"]["completion_tokens"] == 4
 
 
+def test_models_retrieve_by_id(server):
+    """The openai client's `models.retrieve` (GET /v1/models/{id}) answers the served model."""
+    client = server.client()
+    served = client.models.list().data[0]
+    assert client.models.retrieve(served.id).model_dump() == served.model_dump()
+    r = httpx.get(server.url + "/v1/models/no-such-model", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
 def test_keepalive_comments_during_a_long_prefill(servers):
     """mlx_lm.server's `: keepalive N/M` after each prefill step (32 tokens here)."""
     ours, theirs = servers

@@ -210,6 +210,15 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
     async def models() -> dict[str, Any]:
         return schemas.models_body(settings.model_id, settings.created)
 
+    async def model(model_id: str) -> dict[str, Any]:
+        """One model, as OpenAI's `GET /v1/models/{model}` (the client's `models.retrieve`)."""
+        if model_id not in (settings.model_id, DEFAULT_MODEL_ALIAS):
+            raise APIError(
+                404, f"the model '{model_id}' does not exist; this server serves "
+                f"'{settings.model_id}'", param="model", code="model_not_found",
+            )  # fmt: skip
+        return schemas.models_body(settings.model_id, settings.created)["data"][0]
+
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, schemas.ChatCompletionRequest)
         try:
@@ -337,6 +346,7 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
         return event_stream(chunks())
 
     router.add_api_route("/v1/models", models, methods=["GET"])
+    router.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
     for prefix in ("/v1", ""):  # mlx_lm.server answers /chat/completions without /v1 too
         router.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
         router.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
