@@ -41,6 +41,7 @@ SCRIPT = {
     "riddle": ["<think>", "\nCount the legs.\n", "</think>", "\n\nA spider."],
     "clock": Reply(["tick", "tock", "done"], extra={("tock", "tick"): 20.5}),
     "jason": ["{", '"city"', ": ", '"Paris"', "}"],
+    "spaced": [" lead", " space"],
 }
 TOOLS = [
     {
@@ -235,6 +236,18 @@ def test_models_retrieve_by_id(server):
     assert client.models.retrieve(served.id).model_dump() == served.model_dump()
     r = httpx.get(server.url + "/v1/models/no-such-model", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_completion_text_offsets_point_into_the_text(server):
+    """`text_offset` indexes the returned text, streamed or not, also when the
+    detokenizer drops the first token's leading space (as mlx_lm.server's does)."""
+    body = {"prompt": "spaced", "max_tokens": 4, "logprobs": 1}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert text == "lead space" and lp["tokens"] == [" lead", " space"]
+    assert text[lp["text_offset"][1] :] == " space"
+    streamed = [c["choices"][0]["logprobs"] for c in sse_chunks(server, "/v1/completions", body)]
+    assert [o for s in streamed for o in s["text_offset"]] == lp["text_offset"]
 
 
 def test_keepalive_comments_during_a_long_prefill(servers):

@@ -389,14 +389,13 @@ def chat_logprobs(events: list[TokenEvent], tt: TokenText) -> dict[str, Any]:
 def completion_logprobs(events: list[TokenEvent], tt: TokenText, offset: int = 0) -> dict:
     tokens, token_logprobs, top, offsets = [], [], [], []
     for e in events:
+        start, offset = offset, offset + len(e.text)  # the text released, not the token's string
         if e.logprob is None or e.eos:
             continue
-        text = tt.text(e.token)
-        tokens.append(text)
+        tokens.append(tt.text(e.token))
         token_logprobs.append(json_logprob(e.logprob))
         top.append({tt.text(t): json_logprob(lp) for t, lp in e.top_logprobs})
-        offsets.append(offset)
-        offset += len(text)
+        offsets.append(start)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
