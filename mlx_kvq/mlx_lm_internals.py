@@ -13,7 +13,12 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import _BaseCache
-from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import (
+    BPEStreamingDetokenizer,
+    SPMStreamingDetokenizer,
+    TokenizerWrapper,
+    _byte_decoder,
+)
 from mlx_lm.utils import _download, _get_classes
 
 # mlx-lm 0.32.2: the base class of every cache (state, meta_state, trimming and
@@ -49,6 +54,21 @@ def hf_tokenizer(wrapper: Any) -> Any:
     """The Hugging Face tokenizer inside mlx-lm's `TokenizerWrapper` (0.32.2:
     `_tokenizer`); any other tokenizer is returned as it is."""
     return wrapper._tokenizer if isinstance(wrapper, TokenizerWrapper) else wrapper
+
+
+def token_bytes(detokenizer: Any, token: int) -> bytes | None:
+    """The bytes `token` stands for, as mlx-lm's streaming `detokenizer` reads
+    them (0.32.2: SPM's `tokenmap` of bytes with U+2581 for a space; byte-level
+    BPE's `tokenmap` through `_byte_decoder`, other characters as UTF-8);
+    None for any other detokenizer."""
+    if isinstance(detokenizer, SPMStreamingDetokenizer):
+        return detokenizer.tokenmap[token].replace(SPMStreamingDetokenizer._sep, b" ")
+    if isinstance(detokenizer, BPEStreamingDetokenizer) and token < len(detokenizer.tokenmap):
+        table = _byte_decoder()
+        return b"".join(
+            bytes([table[c]]) if c in table else c.encode() for c in detokenizer.tokenmap[token]
+        )
+    return None
 
 
 def ring_index(cache: Any) -> int:

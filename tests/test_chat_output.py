@@ -17,7 +17,7 @@ from mlx_lm.utils import load_tokenizer
 from mlx_kvq.engine.prompts import chat_tokens, template_variables
 from mlx_kvq.server.chat_output import OutputSplitter
 from mlx_kvq.server.openai import template_fields
-from mlx_kvq.server.schemas import ChatCompletionRequest
+from mlx_kvq.server.schemas import ChatCompletionRequest, TokenText
 from mlx_kvq.server.tools import ToolChoiceError, tool_policy, tools_refusal
 
 TOOL_TEXT = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
@@ -213,3 +213,14 @@ def test_tools_a_model_cannot_take_are_refused(tokenizers):
     refusal = tools_refusal(OutputSplitter(plain).tools, template_variables(plain))
     assert "does not render tools" in refusal
     assert "no tool-call parser" in tools_refusal(False, frozenset({"tools"}))
+
+
+def test_logprob_bytes_are_the_tokens_own_bytes(tokenizers):
+    """OpenAI's `bytes` lets a client join the tokens of a character split
+    across tokens: each token's entry carries its own bytes (the first byte of
+    "é" alone decodes to U+FFFD, whose bytes are not that token's)."""
+    tokenizer = tokenizers["qwen3"]
+    text = TokenText(tokenizer)
+    for s in ("é ☕", "tick"):
+        ids = tokenizer.encode(s, add_special_tokens=False)
+        assert b"".join(bytes(text.entry(t, 0.0)["bytes"]) for t in ids).decode() == s

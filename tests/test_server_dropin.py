@@ -41,6 +41,7 @@ SCRIPT = {
     "riddle": ["<think>", "\nCount the legs.\n", "</think>", "\n\nA spider."],
     "clock": Reply(["tick", "tock", "done"], extra={("tock", "tick"): 20.5}),
     "jason": ["{", '"city"', ": ", '"Paris"', "}"],
+    "spaced": [" lead", " space"],
 }
 TOOLS = [
     {
@@ -207,6 +208,46 @@ def sse_lines(server, path, body) -> list[str]:
     with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=120) as r:
         assert r.status_code == 200
         return [line for line in r.iter_lines() if line]
+
+
+def sse_chunks(server, path, body) -> list[dict]:
+    lines = sse_lines(server, path, body)
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1] if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_stream_carries_usage_only_when_asked(servers, path):
+    """As OpenAI and mlx_lm.server: without `stream_options.include_usage` no
+    chunk has `usage`; with it, one last chunk with no choices has it."""
+    body = {"messages": user(CLOCK)} if "chat" in path else {"prompt": CLOCK}
+    body["max_tokens"] = 4
+    for server in servers:
+        assert not [c for c in sse_chunks(server, path, body) if "usage" in c]
+    chunks = sse_chunks(servers[0], path, {**body, "stream_options": {"include_usage": True}})
+    assert [c for c in chunks if "usage" in c] == [chunks[-1]] and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_models_retrieve_by_id(server):
+    """The openai client's `models.retrieve` (GET /v1/models/{id}) answers the served model."""
+    client = server.client()
+    served = client.models.list().data[0]
+    assert client.models.retrieve(served.id).model_dump() == served.model_dump()
+    r = httpx.get(server.url + "/v1/models/no-such-model", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_completion_text_offsets_point_into_the_text(server):
+    """`text_offset` indexes the returned text, streamed or not, also when the
+    detokenizer drops the first token's leading space (as mlx_lm.server's does)."""
+    body = {"prompt": "spaced", "max_tokens": 4, "logprobs": 1}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert text == "lead space" and lp["tokens"] == [" lead", " space"]
+    assert text[lp["text_offset"][1] :] == " space"
+    streamed = [c["choices"][0]["logprobs"] for c in sse_chunks(server, "/v1/completions", body)]
+    assert [o for s in streamed for o in s["text_offset"]] == lp["text_offset"]
 
 
 def test_keepalive_comments_during_a_long_prefill(servers):

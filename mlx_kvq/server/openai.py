@@ -210,6 +210,15 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
     async def models() -> dict[str, Any]:
         return schemas.models_body(settings.model_id, settings.created)
 
+    async def model(model_id: str) -> dict[str, Any]:
+        """One model, as OpenAI's `GET /v1/models/{model}` (the client's `models.retrieve`)."""
+        if model_id not in (settings.model_id, DEFAULT_MODEL_ALIAS):
+            raise APIError(
+                404, f"the model '{model_id}' does not exist; this server serves "
+                f"'{settings.model_id}'", param="model", code="model_not_found",
+            )  # fmt: skip
+        return schemas.models_body(settings.model_id, settings.created)["data"][0]
+
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, schemas.ChatCompletionRequest)
         try:
@@ -270,9 +279,8 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
                     yield keepalive(ev)
                 elif isinstance(ev, FinishEvent):
                     delta, reason = output.finish(ev.reason.value)
-                    usage = None if include_usage else ev.usage
                     yield sse(schemas.chat_chunk(cid, model, delta.fields(), reason,
-                                                 logprobs(pending), usage))  # fmt: skip
+                                                 logprobs(pending)))  # fmt: skip
                     if include_usage:
                         yield sse(schemas.chat_chunk(cid, model, None, usage=ev.usage))
                     yield SSE_DONE
@@ -325,9 +333,8 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
                 elif isinstance(ev, PromptProgress) or ev is IDLE:
                     yield keepalive(ev)
                 elif isinstance(ev, FinishEvent):
-                    usage = None if include_usage else ev.usage
                     lp = logprobs(pending, offset)
-                    yield sse(schemas.completion_body(cid, model, "", ev.reason, usage, lp))
+                    yield sse(schemas.completion_body(cid, model, "", ev.reason, None, lp))
                     if include_usage:
                         chunk = schemas.completion_body(cid, model, "", None, ev.usage, None)
                         chunk["choices"] = []
@@ -339,6 +346,7 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
         return event_stream(chunks())
 
     router.add_api_route("/v1/models", models, methods=["GET"])
+    router.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
     for prefix in ("/v1", ""):  # mlx_lm.server answers /chat/completions without /v1 too
         router.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
         router.add_api_route(f"{prefix}/completions", completions, methods=["POST"])

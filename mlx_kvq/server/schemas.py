@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mlx_kvq.engine.requests import TokenEvent, Usage
+from mlx_kvq.mlx_lm_internals import token_bytes
 from mlx_kvq.speculative import MAX_DRAFT_TOKENS
 
 MAX_STOP_STRINGS = 16
@@ -358,20 +359,24 @@ def json_logprob(value: float) -> float | None:
 
 
 class TokenText:
-    """Token strings and bytes for logprobs bodies."""
+    """Token strings and bytes for logprobs bodies: `bytes` is the token's own
+    bytes (part of a character split across tokens, whose string alone is
+    U+FFFD), so that a client can join them as OpenAI documents."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self.detokenizer = getattr(tokenizer, "detokenizer", None)
 
     def text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
     def entry(self, token: int, logprob: float) -> dict[str, Any]:
         text = self.text(token)
+        raw = token_bytes(self.detokenizer, token)
         return {
             "token": text,
             "logprob": json_logprob(logprob),
-            "bytes": list(text.encode("utf-8")),
+            "bytes": list(raw if raw is not None else text.encode("utf-8")),
         }
 
 
@@ -389,14 +394,13 @@ def chat_logprobs(events: list[TokenEvent], tt: TokenText) -> dict[str, Any]:
 def completion_logprobs(events: list[TokenEvent], tt: TokenText, offset: int = 0) -> dict:
     tokens, token_logprobs, top, offsets = [], [], [], []
     for e in events:
+        start, offset = offset, offset + len(e.text)  # the text released, not the token's string
         if e.logprob is None or e.eos:
             continue
-        text = tt.text(e.token)
-        tokens.append(text)
+        tokens.append(tt.text(e.token))
         token_logprobs.append(json_logprob(e.logprob))
         top.append({tt.text(t): json_logprob(lp) for t, lp in e.top_logprobs})
-        offsets.append(offset)
-        offset += len(text)
+        offsets.append(start)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
