@@ -16,13 +16,12 @@ Settings are measured in alternating order over `budget_repeats` rounds.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import mlx.core as mx
 
 from .model_bench import build_model, free
-from .serving_bench import BenchTokenizer, decode_totals
+from .serving_bench import BenchTokenizer, Completions, decode_totals
 from .settings import BenchSettings
 from .timing import Stat
 
@@ -41,41 +40,23 @@ def kv_setting(name: str, group_size: int):
 
 def _flood(engine, n: int, settings: BenchSettings, vocab: int, seed: int) -> dict:
     """Submit `n` requests at once; wall time, generated tokens, decode time."""
-    from ..engine import ErrorEvent, FinishEvent, GenerationRequest, SamplingParams
+    from ..engine import GenerationRequest, SamplingParams
 
     mx.random.seed(seed)
     prompts = mx.random.randint(1, vocab, (n, settings.budget_prompt)).tolist()
-    done = threading.Event()
-    lock = threading.Lock()
-    state = {"left": n, "tokens": 0, "errors": []}
-
-    def sink(event) -> None:
-        if not isinstance(event, (FinishEvent, ErrorEvent)):
-            return
-        with lock:
-            if isinstance(event, FinishEvent):
-                state["tokens"] += event.usage.completion_tokens
-            else:
-                state["errors"].append(event.message)
-            state["left"] -= 1
-            if state["left"] == 0:
-                done.set()
-
+    ends = Completions(n)
     params = SamplingParams(max_tokens=settings.budget_tokens, temperature=0.0)
     metrics = engine.metrics
     d0, g0 = metrics.decode_time, metrics.gen_tokens
     metrics.max_batch_size = 0
     t0 = time.perf_counter()
     for p in prompts:
-        engine.submit(GenerationRequest(p, params), sink)
-    if not done.wait(timeout=3600):
-        raise RuntimeError("budget benchmark: requests did not finish within an hour")
+        engine.submit(GenerationRequest(p, params), ends.end)
+    ends.wait("budget benchmark")
     wall = time.perf_counter() - t0
-    if state["errors"]:
-        raise RuntimeError(f"budget benchmark: requests failed: {state['errors'][:3]}")
     return {
         "wall": wall,
-        "tokens": state["tokens"],
+        "tokens": ends.tokens,
         "decode_time": metrics.decode_time - d0,
         "decode_tokens": metrics.gen_tokens - g0,
         "at_once": metrics.snapshot().max_batch_size,

@@ -83,14 +83,43 @@ def decode_totals():
     return DecodeTotals()
 
 
+class Completions:
+    """Counts `n` requests' ends from the engine thread: generated tokens,
+    errors, and an event set when the last one ends."""
+
+    def __init__(self, n: int):
+        self.left, self.tokens, self.errors = n, 0, []
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+
+    def end(self, event) -> None:
+        from ..engine import ErrorEvent, FinishEvent
+
+        if not isinstance(event, (FinishEvent, ErrorEvent)):
+            return
+        with self._lock:
+            if isinstance(event, FinishEvent):
+                self.tokens += event.usage.completion_tokens
+            else:
+                self.errors.append(event.message)
+            self.left -= 1
+            if self.left == 0:
+                self.done.set()
+
+    def wait(self, what: str) -> None:
+        """Until every request ended; RuntimeError naming `what` on a failure."""
+        if not self.done.wait(timeout=3600):
+            raise RuntimeError(f"{what}: requests did not finish within an hour")
+        if self.errors:
+            raise RuntimeError(f"{what}: requests failed: {self.errors[:3]}")
+
+
 def _run_once(engine, metrics, n: int, settings: BenchSettings, vocab: int, rng_seed: int) -> dict:
-    from ..engine import ErrorEvent, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+    from ..engine import GenerationRequest, SamplingParams, TokenEvent
 
     mx.random.seed(rng_seed)
     prompts = mx.random.randint(1, vocab, (n, settings.serving_prompt)).tolist()
-    done = threading.Event()
-    lock = threading.Lock()
-    state = {"left": n, "tokens": 0, "errors": []}
+    ends = Completions(n)
     token_times: list[list[float]] = [[] for _ in range(n)]
 
     def sink_for(i: int):
@@ -98,37 +127,23 @@ def _run_once(engine, metrics, n: int, settings: BenchSettings, vocab: int, rng_
             if isinstance(event, TokenEvent):
                 token_times[i].append(time.perf_counter())
             else:
-                finished(event)
+                ends.end(event)
 
         return sink
-
-    def finished(event):
-        if isinstance(event, (FinishEvent, ErrorEvent)):
-            with lock:
-                if isinstance(event, FinishEvent):
-                    state["tokens"] += event.usage.completion_tokens
-                else:
-                    state["errors"].append(event.message)
-                state["left"] -= 1
-                if state["left"] == 0:
-                    done.set()
 
     params = SamplingParams(max_tokens=settings.serving_tokens, temperature=0.0)
     d0, g0 = metrics.decode_time, metrics.gen_tokens
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.submit(GenerationRequest(p, params), sink_for(i))
-    if not done.wait(timeout=3600):
-        raise RuntimeError("serving benchmark: requests did not finish within an hour")
+    ends.wait("serving benchmark")
     wall = time.perf_counter() - t0
-    if state["errors"]:
-        raise RuntimeError(f"serving benchmark: requests failed: {state['errors'][:3]}")
     start = max(ts[0] for ts in token_times)
     end = max(ts[-1] for ts in token_times)
     after = sum(1 for ts in token_times for t in ts if t > start)
     return {
         "wall": wall,
-        "tokens": state["tokens"],
+        "tokens": ends.tokens,
         "decode_wall": end - start,
         "decode_tokens": after,
         "timer_decode_time": metrics.decode_time - d0,
