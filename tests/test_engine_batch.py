@@ -7,11 +7,9 @@ engine failure turning /health to 503 with the reason.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import mlx.core as mx
 import pytest
+from kvq_testing.events import WAIT_S, Collector, wait_until
 from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
 
@@ -26,40 +24,6 @@ from mlx_kvq.engine import (
     TokenEvent,
 )
 from mlx_kvq.plan import plan_kv
-
-WAIT_S = 120  # upper bound for waits, so a broken engine fails instead of hanging
-
-
-class Collector:
-    """A sink that records events and signals the end."""
-
-    def __init__(self):
-        self.events = []
-        self.done = threading.Event()
-        self.first_token = threading.Event()
-
-    def __call__(self, ev):
-        self.events.append(ev)
-        if isinstance(ev, TokenEvent):
-            self.first_token.set()
-        else:
-            self.done.set()
-
-    def wait(self):
-        assert self.done.wait(WAIT_S), "request never finished"
-        return self
-
-    @property
-    def tokens(self):
-        return [e.token for e in self.events if isinstance(e, TokenEvent)]
-
-    @property
-    def text(self):
-        return "".join(e.text for e in self.events if isinstance(e, TokenEvent))
-
-    @property
-    def end(self):
-        return self.events[-1]
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +54,6 @@ def submit(engine, prompt, **params):
     c.request_id = req.id
     engine.submit(req, c)
     return c
-
-
-def wait_until(predicate, what):
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_warmup_report_shows_quantized_sliding_and_full(engine):

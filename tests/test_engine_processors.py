@@ -10,9 +10,8 @@ only requests that asked for it.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
+from kvq_testing.events import WAIT_S, Collector
 from kvq_testing.scripted import Reply, save_scripted_model, token_id
 from mlx_lm import generate, load
 from mlx_lm.sample_utils import make_logits_processors
@@ -28,12 +27,10 @@ from mlx_kvq.engine import (
     GenerationRequest,
     PromptProgress,
     SamplingParams,
-    TokenEvent,
 )
 from mlx_kvq.engine.processors import json_grammar
 from mlx_kvq.plan import plan_kv
 
-WAIT_S = 120
 MAX_TOKENS = 12
 SCRIPT = {
     "capital": ["Paris is the capital of France."],
@@ -52,29 +49,6 @@ LOOP_BREAKS = {
     "frequency, context 4": ({"frequency_penalty": 0.2, "frequency_context_size": 4}, LOOP),
     "bias": ({"logit_bias": {"done": 1.0}}, "ticktockdone"),
 }
-
-
-class Collector:
-    def __init__(self):
-        self.events = []
-        self.done = threading.Event()
-
-    def __call__(self, ev):
-        self.events.append(ev)
-        if isinstance(ev, FinishEvent | ErrorEvent):
-            self.done.set()
-
-    def wait(self):
-        assert self.done.wait(WAIT_S), "request never finished"
-        return self
-
-    @property
-    def text(self):
-        return "".join(e.text for e in self.events if isinstance(e, TokenEvent))
-
-    @property
-    def end(self):
-        return self.events[-1]
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ cancelling frees the lane, the prompt cache reuses what the lane decoded, and ev
 from __future__ import annotations
 
 import pytest
+from kvq_testing.events import WAIT_S, Collector, wait_until
 from kvq_testing.scripted import Reply, save_scripted_model
 from mlx_lm import load
-from test_engine_batch import WAIT_S, Collector, wait_until
 
 from mlx_kvq.config import KVConfig
 from mlx_kvq.engine import (

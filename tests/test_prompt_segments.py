@@ -14,9 +14,9 @@ prompt; eviction follows mlx-lm's server order; every cap still holds.
 from __future__ import annotations
 
 import pytest
+from kvq_testing.events import WAIT_S, Collector
 from kvq_testing.scripted import save_scripted_model
 from mlx_lm import load
-from test_engine_batch import WAIT_S, Collector
 from test_engine_units import entry
 
 from mlx_kvq.config import KVConfig
