@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from mlx_kvq.engine import (
@@ -39,9 +39,9 @@ from mlx_kvq.engine.prompts import (
 from mlx_kvq.engine.segments import chat_checkpoints
 
 from . import schemas
-from .body import BodyError, parse_body
 from .chat_output import OutputSplitter
-from .errors import APIError, error_body, validation_message
+from .errors import APIError, error_body
+from .request_body import check_model_name, read_json, validate
 from .settings import ServerSettings
 from .streams import IDLE, SSE_DONE, Generation, event_stream, keepalive, sse
 from .tools import ToolChoiceError, tool_policy, tools_refusal
@@ -78,37 +78,12 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
         engine.metrics.count_request(Outcome.REJECTED)
         return APIError(status, message, **kw)
 
+    rejecter = SimpleNamespace(reject=reject)
+
     async def read_body(request: Request, model_cls: type) -> Any:
-        limit = settings.max_request_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise reject(400, "invalid Content-Length header")
-            if int(declared) > limit:
-                raise reject(413, f"request body over {limit} bytes", code="request_too_large")
-        body, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise reject(413, f"request body over {limit} bytes", code="request_too_large")
-            body.append(chunk)
-        try:
-            data = parse_body(b"".join(body))
-        except BodyError as e:
-            raise reject(400, e.message, param=e.param) from None
-        try:
-            parsed = model_cls.model_validate(data)
-        except ValidationError as e:
-            message, param = validation_message(e.errors())
-            raise reject(400, message, param=param) from None
-        if parsed.model not in (settings.model_id, DEFAULT_MODEL_ALIAS):
-            raise reject(
-                404,
-                f"the model '{parsed.model}' does not exist; this server serves "
-                f"'{settings.model_id}'",
-                param="model",
-                code="model_not_found",
-            )
+        data = await read_json(request, settings.max_request_bytes, rejecter)
+        parsed = validate(data, model_cls, rejecter)
+        check_model_name(parsed.model, settings, rejecter, strict=True)
         try:
             check_adapter(parsed, settings)
         except VariantError as e:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+DEFAULT_RESPONSE_STORE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,7 @@ class ServerSettings:
     """The served model's id, auth, limits, sampling defaults and the plan it reports."""
 
     model_id: str
+    names_checked: bool = False  # --served-model-name given: every API checks `model`
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_tokens: int = 512
@@ -28,4 +30,5 @@ class ServerSettings:
     max_context: int | None = None
     plan: dict[str, Any] = field(default_factory=dict)  # KVPlan.to_dict(), or the group's
     allowed_origins: tuple[str, ...] = ("*",)
+    response_store_bytes: int = DEFAULT_RESPONSE_STORE_BYTES  # stored /v1/responses, bytes
     created: int = field(default_factory=lambda: int(time.time()))
