@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             m = server.metrics()
             report["metrics"] = {k: m.get(k) for k in (
                 "mlx_kvq_prompt_cache_hits_total", "mlx_kvq_prompt_cache_misses_total",
-                "mlx_kvq_prompt_cache_cached_tokens_total",
+                "mlx_kvq_prompt_cache_tokens_total",
                 'mlx_kvq_hosted_tools_ignored_total{type="web_search"}')}  # fmt: skip
     results = checks(report)
     report["checks"] = [{"check": c, "ok": ok} for c, ok in results]

@@ -39,6 +39,7 @@ from mlx_kvq.engine.prompts import (
 from mlx_kvq.engine.segments import chat_checkpoints
 
 from . import schemas
+from .chat_job import Sampling
 from .chat_output import OutputSplitter
 from .errors import APIError, error_body
 from .request_body import check_model_name, read_json, validate
@@ -98,38 +99,32 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
             raise reject(400, e.message, param=e.param) from None
 
     def sampling(body: Any, logprobs: bool, top: int, grammar: str | None = None) -> SamplingParams:
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
-        vocab = engine.vocab_size
-        for token, _ in body.logit_bias_pairs:
-            if token >= vocab:
-                raise reject(
-                    400,
-                    f"logit_bias: token id {token} is outside the vocabulary (0..{vocab - 1})",
-                    param="logit_bias",
-                )
-        return SamplingParams(
-            max_tokens=pick(body.token_limit, settings.max_tokens),
-            temperature=pick(body.temperature, settings.temperature),
-            top_p=pick(body.top_p, settings.top_p),
-            top_k=pick(body.top_k, settings.top_k),
-            min_p=pick(body.min_p, settings.min_p),
+        """The engine's settings for `body` (defaults and checks: `chat_job.Sampling`)."""
+        asked = Sampling(
+            max_tokens=body.token_limit,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
             seed=body.sampling_seed,
             stop=body.stop_strings,
             logprobs=logprobs,
             top_logprobs=top,
-            repetition_penalty=pick(body.repetition_penalty, 0.0),
-            repetition_context_size=pick(body.repetition_context_size, 20),
-            presence_penalty=pick(body.presence_penalty, 0.0),
-            presence_context_size=pick(body.presence_context_size, 20),
-            frequency_penalty=pick(body.frequency_penalty, 0.0),
-            frequency_context_size=pick(body.frequency_context_size, 20),
+            repetition_penalty=body.repetition_penalty,
+            repetition_context_size=body.repetition_context_size,
+            presence_penalty=body.presence_penalty,
+            presence_context_size=body.presence_context_size,
+            frequency_penalty=body.frequency_penalty,
+            frequency_context_size=body.frequency_context_size,
             logit_bias=body.logit_bias_pairs,
-            xtc_probability=pick(body.xtc_probability, 0.0),
-            xtc_threshold=pick(body.xtc_threshold, 0.1),
+            xtc_probability=body.xtc_probability,
+            xtc_threshold=body.xtc_threshold,
             grammar=grammar,
         )
+        try:
+            return asked.params(settings, engine.vocab_size)
+        except ValueError as e:
+            raise reject(400, str(e), param="logit_bias") from None
 
     def check_length(prompt: list[int]) -> None:
         if not prompt:
