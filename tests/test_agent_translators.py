@@ -164,3 +164,19 @@ def test_opaque_reasoning_round_trip():
                                                           "text": "sum"}]})  # fmt: skip
     assert R.reasoning_of(other) == "sum"
     assert json.loads(json.dumps(value)) == value
+
+
+def test_docs_list_every_field_with_its_treatment():
+    from pathlib import Path
+
+    from mlx_kvq.server.fields import Treatment
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "agents.md").read_text()
+    words = {Treatment.HONOURED: "honoured", Treatment.APPROXIMATE: "approximately",
+             Treatment.REFUSED: "400", Treatment.IGNORED: "no effect"}  # fmt: skip
+    for heading, fields in (("`POST /v1/messages` fields", AS.MESSAGES_FIELDS),
+                            ("`POST /v1/responses` fields", RS.RESPONSES_FIELDS)):  # fmt: skip
+        section = text[text.index(heading) :].split("\n### ")[0]
+        rows = {line.split("|")[1].strip().strip("`"): line.split("|")[2].strip()
+                for line in section.splitlines() if line.startswith("| `")}  # fmt: skip
+        assert {k: words[d.treatment] for k, d in fields.items()} == rows

@@ -290,7 +290,7 @@ RESPONSES_FIELDS = {
         "summary: the reasoning is returned whole as the summary text",
     ),
     "text": FieldDoc(
-        H,
+        A,
         "format text, json_object or json_schema (enforced with llguidance); verbosity passed "
         "to templates that read it, else no effect",
     ),
