@@ -37,6 +37,7 @@ from .chat_job import (
     Finished,
     Part,
     PartKind,
+    Refusal,
     Sampling,
     StopReason,
     Waiting,
@@ -52,14 +53,6 @@ STOP_REASONS = {
     StopReason.STOP_SEQUENCE: "stop_sequence",
 }
 SIGNATURE = "mlx-kvq"  # thinking blocks' signature: the server accepts any back
-
-
-class Refusal(ValueError):
-    """A request value this server cannot honour; `param` names the field."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 # -------------------------------------------------------------- request -> job

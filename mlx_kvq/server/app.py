@@ -97,8 +97,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         )
     )
     auth = api_key_check(settings.api_key, engine.metrics)
-    app.include_router(openai_router(engine, settings, auth))
     service = ChatService(engine, settings)
+    app.include_router(openai_router(service, auth))
     app.include_router(messages_router(service, auth))
     app.include_router(responses_router(service, auth, app.state.agent_counters))
     return app

@@ -89,6 +89,14 @@ class Sampling:
         return SamplingParams(**values)
 
 
+class Refusal(ValueError):
+    """A request value a translator cannot honour; `param` names the field (a 400)."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class ChatJob:
     """A chat to answer: template messages (OpenAI's chat shape, which chat
@@ -100,6 +108,8 @@ class ChatJob:
     parse_tools: bool = True  # turn the model's tool-call markup into calls
     template_args: dict[str, Any] = field(default_factory=dict)  # over --chat-template-args
     stream: bool = False
+    role_mapping: dict[str, str] | None = None  # for tokenizers without a chat template
+    draft_tokens: int = 0  # tokens drafted per step (speculative decoding); 0: none
 
 
 class PartKind(str, Enum):
@@ -302,9 +312,14 @@ class ChatService:
         args = {**self.settings.chat_template_args, **job.template_args}
         messages = [dict(m) for m in job.messages]
         try:
-            prompt = chat_tokens(self.tokenizer, messages, args, job.tools)
+            prompt = chat_tokens(self.tokenizer, messages, args, job.tools, job.role_mapping)
         except Exception as e:  # template errors are the request's fault
             raise self.reject(400, f"could not apply the chat template: {e}", param=param) from e
+        self.check_length(prompt, param)
+        return prompt
+
+    def check_length(self, prompt: list[int], param: str) -> None:
+        """A 400 for an empty prompt, or one that leaves no room in the context."""
         if not prompt:
             raise self.reject(400, "the prompt is empty", param=param)
         limit = self.settings.max_context
@@ -315,14 +330,21 @@ class ChatService:
                 f"context of {limit} tokens",
                 code="context_length_exceeded",
             )
-        return prompt
+
+    def params(self, sampling: Sampling) -> SamplingParams:
+        """The engine's sampling settings, or a 400 naming the value that cannot be used."""
+        try:
+            return sampling.params(self.settings, self.engine.vocab_size)
+        except ValueError as e:
+            raise self.reject(400, str(e), param="logit_bias") from None
 
     async def grammar(self, schema: dict[str, Any] | None, prompt: list[int], param: str) -> str:
         """The llguidance grammar of a JSON answer (matching `schema` when given), or a 400."""
         if self.splitter.initial_state(prompt) != "normal":
             raise self.reject(
                 400,
-                f"{param} cannot constrain an answer that starts inside the model's reasoning",
+                f"{param} cannot constrain an answer that starts inside the model's reasoning; "
+                'turn thinking off (chat_template_kwargs: {"enable_thinking": false})',
                 param=param,
             )
         try:
@@ -336,14 +358,12 @@ class ChatService:
 
     async def start(self, job: ChatJob, prompt: list[int]) -> Answer:
         """Submit the job; a refusal (queue full, KV budget) raises `APIError`."""
-        try:
-            params = job.sampling.params(self.settings, self.engine.vocab_size)
-        except ValueError as e:
-            raise self.reject(400, str(e), param="logit_bias") from None
+        params = self.params(job.sampling)
         args = {**self.settings.chat_template_args, **job.template_args}
         messages = [dict(m) for m in job.messages]
         checkpoints = chat_checkpoints(self.tokenizer, messages, prompt, args, job.tools)
-        request = GenerationRequest(prompt, params, progress=job.stream, checkpoints=checkpoints)
+        request = GenerationRequest(prompt, params, progress=job.stream, checkpoints=checkpoints,
+                                    draft_tokens=job.draft_tokens)  # fmt: skip
         generation = Generation(self.engine, request)
         await generation.start()
         output = self.splitter.start(prompt, job.parse_tools, job.tools, job.stream)

@@ -4,7 +4,7 @@ The two completion endpoints also answer without `/v1` (`/chat/completions`,
 `/completions`), as mlx_lm.server's chat endpoint does. Requests are
 size-checked, parsed (`body.py`), validated (`schemas.py`; every field's
 treatment is in `fields.py`), turned into token ids and handed to the
-engine as a `Generation`; the answer leaves as JSON or as server-sent events
+engine (a chat translated into `chat_job.ChatJob` by `openai_chat.py`); the answer leaves as JSON or as server-sent events
 in OpenAI's shapes, a chat answer split into content, reasoning and tool
 calls as mlx_lm.server splits it (`chat_output.py`, `tools.py`).
 """
@@ -13,78 +13,51 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from types import SimpleNamespace
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from mlx_kvq.engine import (
-    Engine,
     FinishEvent,
     GenerationRequest,
-    Outcome,
     PromptProgress,
-    SamplingParams,
     TokenEvent,
 )
-from mlx_kvq.engine.processors import json_grammar
 from mlx_kvq.engine.prompts import (
-    chat_tokens,
     completion_tokens,
-    has_chat_template,
-    template_variables,
 )
-from mlx_kvq.engine.segments import chat_checkpoints
 
 from . import schemas
-from .chat_job import Sampling
-from .chat_output import OutputSplitter
+from .chat_job import ChatService, Refusal
 from .errors import APIError, error_body
+from .openai_chat import chat_job, request_sampling
 from .request_body import check_model_name, read_json, validate
-from .settings import ServerSettings
 from .streams import IDLE, SSE_DONE, Generation, event_stream, keepalive, sse
-from .tools import ToolChoiceError, tool_policy, tools_refusal
 from .variants import DEFAULT_MODEL_ALIAS, VariantError, check_adapter, draft_tokens
 
 log = logging.getLogger("mlx_kvq.server")
 
-# OpenAI fields a chat template may read as variables (gpt-oss's reads reasoning_effort)
-TEMPLATE_FIELDS = ("reasoning_effort", "verbosity")
 
-
-def template_fields(body: Any, variables: frozenset[str]) -> tuple[dict[str, Any], str | None]:
-    """The `TEMPLATE_FIELDS` set in `body` as template variables, and the first
-    one set that the template (reading `variables`) does not read, or None."""
-    fields = {n: getattr(body, n) for n in TEMPLATE_FIELDS if getattr(body, n) is not None}
-    unread = next((n for n in fields if n not in variables), None)
-    return fields, unread
-
-
-def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> APIRouter:
+def openai_router(service: ChatService, auth: Callable) -> APIRouter:
     """The OpenAI routes; `auth` is the dependency that checks the API key."""
     router = APIRouter(dependencies=[Depends(auth)])
+    engine, settings = service.engine, service.settings
     token_text = schemas.TokenText(engine.tokenizer)
-    splitter = OutputSplitter(engine.tokenizer)
-    variables = template_variables(engine.tokenizer)
-    templated = has_chat_template(engine.tokenizer)
+    splitter = service.splitter
     log.info(
         "chat answers: reasoning %s, tool calls %s",
         "separated" if splitter.thinking else "not marked by this tokenizer",
         "parsed" if splitter.tools else "not parsed (no parser for this model: tools get 400)",
     )
 
-    def reject(status: int, message: str, **kw: Any) -> APIError:
-        engine.metrics.count_request(Outcome.REJECTED)
-        return APIError(status, message, **kw)
-
-    rejecter = SimpleNamespace(reject=reject)
+    reject = service.reject
 
     async def read_body(request: Request, model_cls: type) -> Any:
-        data = await read_json(request, settings.max_request_bytes, rejecter)
-        parsed = validate(data, model_cls, rejecter)
-        check_model_name(parsed.model, settings, rejecter, strict=True)
+        data = await read_json(request, settings.max_request_bytes, service)
+        parsed = validate(data, model_cls, service)
+        check_model_name(parsed.model, settings, service, strict=True)
         try:
             check_adapter(parsed, settings)
         except VariantError as e:
@@ -97,85 +70,6 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
             return draft_tokens(body, settings)
         except VariantError as e:
             raise reject(400, e.message, param=e.param) from None
-
-    def sampling(body: Any, logprobs: bool, top: int, grammar: str | None = None) -> SamplingParams:
-        """The engine's settings for `body` (defaults and checks: `chat_job.Sampling`)."""
-        asked = Sampling(
-            max_tokens=body.token_limit,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            seed=body.sampling_seed,
-            stop=body.stop_strings,
-            logprobs=logprobs,
-            top_logprobs=top,
-            repetition_penalty=body.repetition_penalty,
-            repetition_context_size=body.repetition_context_size,
-            presence_penalty=body.presence_penalty,
-            presence_context_size=body.presence_context_size,
-            frequency_penalty=body.frequency_penalty,
-            frequency_context_size=body.frequency_context_size,
-            logit_bias=body.logit_bias_pairs,
-            xtc_probability=body.xtc_probability,
-            xtc_threshold=body.xtc_threshold,
-            grammar=grammar,
-        )
-        try:
-            return asked.params(settings, engine.vocab_size)
-        except ValueError as e:
-            raise reject(400, str(e), param="logit_bias") from None
-
-    def check_length(prompt: list[int]) -> None:
-        if not prompt:
-            raise reject(400, "the prompt is empty", param="messages")
-        limit = settings.max_context
-        if limit is not None and len(prompt) >= limit:
-            raise reject(
-                400,
-                f"the prompt has {len(prompt)} tokens; this server's KV plan allows a "
-                f"context of {limit} tokens",
-                code="context_length_exceeded",
-            )
-
-    def template_args(body: schemas.ChatCompletionRequest) -> dict[str, Any]:
-        args = {**settings.chat_template_args, **(body.chat_template_kwargs or {})}
-        fields, unread = template_fields(body, variables)
-        if unread is not None:
-            raise reject(
-                400,
-                f"{unread} cannot be honoured: this model's chat template does not read '{unread}'",
-                param=unread,
-            )
-        args = {**fields, **args}
-        if body.role_mapping is not None and templated:
-            raise reject(
-                400,
-                "role_mapping applies only to models without a chat template; this one has one",
-                param="role_mapping",
-            )
-        return args
-
-    async def grammar_of(fmt: schemas.ResponseFormat | None, prompt: list[int]) -> str | None:
-        """The llguidance grammar of `response_format` (None for text), or a 400."""
-        if fmt is None or fmt.type == "text":
-            return None
-        if splitter.initial_state(prompt) != "normal":
-            raise reject(
-                400,
-                "response_format cannot constrain an answer that starts inside the model's "
-                'reasoning; turn thinking off (chat_template_kwargs: {"enable_thinking": false})',
-                param="response_format",
-            )
-        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
-        try:
-            grammar = json_grammar(schema if fmt.type == "json_schema" else None)
-        except ValueError as e:
-            raise reject(400, f"response_format: {e}", param="response_format") from None
-        error = await run_in_threadpool(engine.grammars.check, grammar)
-        if error:
-            raise reject(400, f"response_format cannot be used: {error}", param="response_format")
-        return grammar
 
     async def models() -> dict[str, Any]:
         return schemas.models_body(settings.model_id, settings.created)
@@ -192,35 +86,21 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, schemas.ChatCompletionRequest)
         try:
-            policy = tool_policy(body.tool_choice)
-        except ToolChoiceError as e:
-            raise reject(400, str(e), param="tool_choice") from None
-        tools = body.template_tools if policy.render else None
-        refusal = tools_refusal(splitter.tools, variables) if tools else None
-        if refusal is not None:
-            raise reject(400, f"tools cannot be honoured: {refusal}", param="tools")
-        messages = [m.as_template_dict() for m in body.messages]
-        args = template_args(body)
-        try:
-            prompt = chat_tokens(engine.tokenizer, messages, args, tools, body.role_mapping)
-        except Exception as e:  # template errors are the request's fault
-            raise reject(400, f"could not apply the chat template: {e}", param="messages") from e
-        check_length(prompt)
-        grammar = await grammar_of(body.response_format, prompt)
-        want_logprobs = body.want_logprobs
-        params = sampling(body, want_logprobs, max(body.top_logprobs or 0, 0), grammar)
-        checkpoints = chat_checkpoints(engine.tokenizer, messages, prompt, args, tools)
-        job = GenerationRequest(
-            prompt, params, progress=body.stream, checkpoints=checkpoints,
-            draft_tokens=drafting(body),
-        )  # fmt: skip
-        generation = Generation(engine, job)
-        await generation.start()
+            job = chat_job(body, service, drafting(body))
+        except Refusal as e:
+            raise reject(400, str(e), param=e.param) from None
+        prompt = service.render(job)
+        fmt = body.response_format
+        if fmt is not None and fmt.type != "text":
+            schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+            grammar = await service.grammar(schema, prompt, "response_format")
+            job = replace(job, sampling=replace(job.sampling, grammar=grammar))
+        answer = await service.start(job, prompt)
+        generation, output = answer.generation, answer.output
         cid, model = schemas.new_id("chatcmpl"), settings.model_id
-        output = splitter.start(prompt, policy.parse, body.template_tools, body.stream)
 
         def logprobs(events: list[TokenEvent]) -> dict | None:
-            return schemas.chat_logprobs(events, token_text) if want_logprobs else None
+            return schemas.chat_logprobs(events, token_text) if job.sampling.logprobs else None
 
         if not body.stream:
             tokens, fin = await generation.collect(request)
@@ -267,9 +147,9 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
             if vocab and any(t < 0 or t >= vocab for t in prompt_input):
                 raise reject(400, "prompt token ids out of the vocabulary range", param="prompt")
         prompt = completion_tokens(engine.tokenizer, prompt_input)
-        check_length(prompt)
+        service.check_length(prompt, "prompt")
         want_logprobs = body.want_logprobs
-        params = sampling(body, want_logprobs, body.top_count)
+        params = service.params(request_sampling(body, want_logprobs, body.top_count))
         job = GenerationRequest(prompt, params, progress=body.stream, draft_tokens=drafting(body))
         generation = Generation(engine, job)
         await generation.start()

@@ -40,6 +40,7 @@ from .chat_job import (
     Finished,
     Part,
     PartKind,
+    Refusal,
     Sampling,
     StopReason,
     Waiting,
@@ -52,12 +53,6 @@ from .streams import event_stream
 log = logging.getLogger("mlx_kvq.server")
 
 OPAQUE_PREFIX = "mlx-kvq:"  # encrypted_content this server wrote (base64 JSON of the reasoning)
-
-
-class Refusal(ValueError):
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 def new_id(prefix: str) -> str:
