@@ -37,6 +37,7 @@ from .chat_job import (
     Finished,
     Part,
     PartKind,
+    Prompt,
     Refusal,
     Sampling,
     StopReason,
@@ -273,18 +274,18 @@ def messages_router(service: ChatService, auth: Callable) -> APIRouter:
     router = APIRouter(dependencies=[Depends(auth)])
     settings = service.settings
 
-    async def read(request: Request, model_cls: type) -> tuple[Any, ChatJob, list[int]]:
+    async def read(request: Request, model_cls: type) -> tuple[Any, ChatJob, Prompt]:
         body = await read_model(request, model_cls, service)
         try:
             job = to_job(body, service)
         except Refusal as e:
             raise service.reject(400, str(e), param=e.param) from None
-        prompt = service.render(job)
+        prompt = await service.render(job)
         return body, job, prompt
 
     async def count_tokens(request: Request) -> dict[str, Any]:
         _, _, prompt = await read(request, S.CountTokensRequest)
-        return {"input_tokens": len(prompt)}
+        return {"input_tokens": len(prompt.tokens)}
 
     async def messages(request: Request) -> Response:
         body, job, prompt = await read(request, S.MessagesRequest)
@@ -298,7 +299,7 @@ def messages_router(service: ChatService, auth: Callable) -> APIRouter:
         async def events() -> AsyncIterator[str]:
             start = {"id": mid, "type": "message", "role": "assistant", "model": model,
                      "content": [], "stop_reason": None, "stop_sequence": None,
-                     "usage": {"input_tokens": len(prompt), "cache_creation_input_tokens": 0,
+                     "usage": {"input_tokens": len(prompt.tokens), "cache_creation_input_tokens": 0,
                                "cache_read_input_tokens": 0, "output_tokens": 0}}  # fmt: skip
             yield sse("message_start", {"type": "message_start", "message": start})
             blocks = BlockStream(show)

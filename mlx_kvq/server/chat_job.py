@@ -27,6 +27,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from mlx_kvq.engine import (
+    Checkpoint,
     Engine,
     FinishEvent,
     GenerationRequest,
@@ -110,6 +111,14 @@ class ChatJob:
     stream: bool = False
     role_mapping: dict[str, str] | None = None  # for tokenizers without a chat template
     draft_tokens: int = 0  # tokens drafted per step (speculative decoding); 0: none
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A rendered job: its token ids, and where the prompt cache keeps copies."""
+
+    tokens: list[int]
+    checkpoints: tuple[Checkpoint, ...] = ()
 
 
 class PartKind(str, Enum):
@@ -303,19 +312,26 @@ class ChatService:
         """Whether the chat template reads `variable` (e.g. enable_thinking)."""
         return variable in self.variables
 
-    def render(self, job: ChatJob, param: str = "messages") -> list[int]:
-        """The prompt's token ids, or a 400 naming `param` (or `tools`)."""
+    async def render(self, job: ChatJob, param: str = "messages") -> Prompt:
+        """The prompt's token ids and prompt-cache checkpoints, rendered off the
+        event loop; a 400 naming `param` (or `tools`) when it cannot be."""
         if job.tools:
             refusal = tools_refusal(self.splitter.tools, self.variables)
             if refusal is not None:
                 raise self.reject(400, f"tools cannot be honoured: {refusal}", param="tools")
         args = {**self.settings.chat_template_args, **job.template_args}
-        messages = [dict(m) for m in job.messages]
+
+        def work() -> Prompt:
+            messages = [dict(m) for m in job.messages]
+            tokens = chat_tokens(self.tokenizer, messages, args, job.tools, job.role_mapping)
+            checkpoints = chat_checkpoints(self.tokenizer, messages, tokens, args, job.tools)
+            return Prompt(tokens, tuple(checkpoints))
+
         try:
-            prompt = chat_tokens(self.tokenizer, messages, args, job.tools, job.role_mapping)
+            prompt = await run_in_threadpool(work)
         except Exception as e:  # template errors are the request's fault
             raise self.reject(400, f"could not apply the chat template: {e}", param=param) from e
-        self.check_length(prompt, param)
+        self.check_length(prompt.tokens, param)
         return prompt
 
     def check_length(self, prompt: list[int], param: str) -> None:
@@ -338,9 +354,9 @@ class ChatService:
         except ValueError as e:
             raise self.reject(400, str(e), param="logit_bias") from None
 
-    async def grammar(self, schema: dict[str, Any] | None, prompt: list[int], param: str) -> str:
+    async def grammar(self, schema: dict[str, Any] | None, prompt: Prompt, param: str) -> str:
         """The llguidance grammar of a JSON answer (matching `schema` when given), or a 400."""
-        if self.splitter.initial_state(prompt) != "normal":
+        if self.splitter.initial_state(prompt.tokens) != "normal":
             raise self.reject(
                 400,
                 f"{param} cannot constrain an answer that starts inside the model's reasoning; "
@@ -356,15 +372,14 @@ class ChatService:
             raise self.reject(400, f"{param} cannot be used: {error}", param=param)
         return grammar
 
-    async def start(self, job: ChatJob, prompt: list[int]) -> Answer:
+    async def start(self, job: ChatJob, prompt: Prompt) -> Answer:
         """Submit the job; a refusal (queue full, KV budget) raises `APIError`."""
         params = self.params(job.sampling)
-        args = {**self.settings.chat_template_args, **job.template_args}
-        messages = [dict(m) for m in job.messages]
-        checkpoints = chat_checkpoints(self.tokenizer, messages, prompt, args, job.tools)
-        request = GenerationRequest(prompt, params, progress=job.stream, checkpoints=checkpoints,
-                                    draft_tokens=job.draft_tokens)  # fmt: skip
+        request = GenerationRequest(
+            prompt.tokens, params, progress=job.stream, checkpoints=prompt.checkpoints,
+            draft_tokens=job.draft_tokens,
+        )  # fmt: skip
         generation = Generation(self.engine, request)
         await generation.start()
-        output = self.splitter.start(prompt, job.parse_tools, job.tools, job.stream)
+        output = self.splitter.start(prompt.tokens, job.parse_tools, job.tools, job.stream)
         return Answer(generation, output, job, self.tokenizer)

@@ -89,7 +89,7 @@ def openai_router(service: ChatService, auth: Callable) -> APIRouter:
             job = chat_job(body, service, drafting(body))
         except Refusal as e:
             raise reject(400, str(e), param=e.param) from None
-        prompt = service.render(job)
+        prompt = await service.render(job)
         fmt = body.response_format
         if fmt is not None and fmt.type != "text":
             schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None

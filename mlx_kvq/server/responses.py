@@ -438,7 +438,7 @@ def responses_router(service: ChatService, auth: Callable, counters: AgentCounte
             job, namespaces, conversation = to_job(body, history, counters, service)
         except Refusal as e:
             raise service.reject(400, str(e), param=e.param) from None
-        prompt = service.render(job, param="input")
+        prompt = await service.render(job, param="input")
         fmt = body.text.format if body.text else None
         if fmt is not None and fmt.type != "text":
             schema = fmt.schema_ if fmt.type == "json_schema" else None
