@@ -25,13 +25,7 @@ from .anthropic import messages_router
 from .api_doc import openapi_document
 from .auth import api_key_check
 from .chat_job import ChatService
-from .errors import (
-    APIError,
-    anthropic_error_body,
-    error_response,
-    is_anthropic_path,
-    validation_message,
-)
+from .errors import APIError, error_response_for, validation_message
 from .lifecycle import InFlightMiddleware, Lifecycle
 from .openai import openai_router
 from .probes import budget_status, probes_router
@@ -64,10 +58,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     def respond(request: Request, status: int, message: str, param: str | None = None,
                 code: str | None = None, headers: dict | None = None) -> JSONResponse:  # fmt: skip
         """An error in the shape of the API the request was for."""
-        if is_anthropic_path(request.url.path):
-            status, body = anthropic_error_body(status, message, code)
-            return JSONResponse(body, status, headers=headers)
-        return error_response(status, message, param, code, headers)
+        return error_response_for(request.url.path, status, message, param, code, headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:

@@ -108,3 +108,18 @@ def anthropic_error_body(
 def is_anthropic_path(path: str) -> bool:
     """Whether `path` is one of Anthropic's routes (answered with its error shape)."""
     return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_response_for(
+    path: str,
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """An error in the shape of the API `path` belongs to (Anthropic's or OpenAI's)."""
+    if is_anthropic_path(path):
+        status, body = anthropic_error_body(status, message, code)
+        return JSONResponse(body, status, headers=headers)
+    return error_response(status, message, param, code, headers)

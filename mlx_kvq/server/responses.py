@@ -12,7 +12,10 @@ The answer comes back as output items in the order the model wrote them:
 `reasoning` (the model's reasoning as its summary text; with `include:
 ["reasoning.encrypted_content"]` also an opaque value this server reads
 back), `message` with `output_text`, and `function_call` items, or as the
-Responses events, each with its `sequence_number`. `store: true` keeps the
+Responses events, each with its `sequence_number`. While a long prompt is
+read, `response.in_progress` is sent again after each prefill step (and
+after 15 s without output): Codex restarts its request when its stream
+stays silent, and it does not count SSE comments. `store: true` keeps the
 response (`response_store.py`) for `previous_response_id` and `GET`.
 Every field's treatment is in `responses_schemas.RESPONSES_FIELDS`.
 """
@@ -473,8 +476,8 @@ def responses_router(service: ChatService, auth: Callable, counters: AgentCounte
                 if isinstance(ev, Part):
                     for line in stream.feed(ev):
                         yield line
-                elif isinstance(ev, Waiting):
-                    yield ": keepalive\n\n"
+                elif isinstance(ev, Waiting):  # an event, so that clients' idle timers restart
+                    yield emit("response.in_progress", response=start)
                 elif isinstance(ev, Finished):
                     for line in stream.close():
                         yield line
