@@ -33,7 +33,7 @@ from . import schemas
 from .chat_job import ChatService, Refusal
 from .errors import APIError, error_body
 from .openai_chat import chat_job, request_sampling
-from .request_body import check_model_name, read_json, validate
+from .request_body import read_model
 from .streams import IDLE, SSE_DONE, Generation, event_stream, keepalive, sse
 from .variants import DEFAULT_MODEL_ALIAS, VariantError, check_adapter, draft_tokens
 
@@ -55,9 +55,7 @@ def openai_router(service: ChatService, auth: Callable) -> APIRouter:
     reject = service.reject
 
     async def read_body(request: Request, model_cls: type) -> Any:
-        data = await read_json(request, settings.max_request_bytes, service)
-        parsed = validate(data, model_cls, service)
-        check_model_name(parsed.model, settings, service, strict=True)
+        parsed = await read_model(request, model_cls, service, strict=True)
         try:
             check_adapter(parsed, settings)
         except VariantError as e:

@@ -65,10 +65,11 @@ def check_model_name(name: str, settings: ServerSettings, rejecter: Any, strict:
         )
 
 
-async def read_model(request: Request, model_cls: type, service: Any) -> Any:
-    """The body of an Anthropic or Responses request (any model name, see above)."""
+async def read_model(request: Request, model_cls: type, service: Any, strict: bool = False) -> Any:
+    """The body of a request as `model_cls`; `strict`: the model name must be
+    the served one (OpenAI's endpoints), else any name (see above)."""
     settings = service.settings
     data = await read_json(request, settings.max_request_bytes, service)
     body = validate(data, model_cls, service)
-    check_model_name(body.model, settings, service, strict=False)
+    check_model_name(body.model, settings, service, strict=strict)
     return body
