@@ -286,3 +286,23 @@ def test_new_routes_in_openapi(server):
     for path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
                  "/v1/responses/{response_id}"):  # fmt: skip
         assert path in paths
+
+
+# -- the OpenAI Agents SDK (its default model speaks the Responses API) ----------------
+def test_openai_agents_sdk_runs_a_tool(server, monkeypatch):
+    monkeypatch.setenv("OPENAI_AGENTS_DISABLE_TRACING", "1")
+    agents = pytest.importorskip("agents")
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Current conditions in a city."""
+        calls.append(city)
+        return "22 C, clear"
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    model = agents.OpenAIResponsesModel(model="default_model", openai_client=client)
+    agent = agents.Agent(name="a", instructions="Be brief.", tools=[get_weather], model=model)
+    result = agents.Runner.run_sync(agent, WEATHER)
+    assert calls == ["Paris"]
+    assert result.final_output == "It is sunny."
