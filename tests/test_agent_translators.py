@@ -180,3 +180,35 @@ def test_docs_list_every_field_with_its_treatment():
         rows = {line.split("|")[1].strip().strip("`"): line.split("|")[2].strip()
                 for line in section.splitlines() if line.startswith("| `")}  # fmt: skip
         assert {k: words[d.treatment] for k, d in fields.items()} == rows
+
+
+def test_mid_conversation_system_turns_folded_for_templates_that_refuse_them():
+    from mlx_kvq.server.chat_job import fold_system, renders_mid_system
+
+    class Refusing:
+        def apply_chat_template(self, messages, **kw):
+            if any(m["role"] == "system" for m in messages[1:]):
+                raise ValueError("System message must be at the beginning")
+            return "ok"
+
+    class Rendering:
+        def apply_chat_template(self, messages, **kw):
+            return "".join(m["content"] for m in messages)
+
+    assert not renders_mid_system(Refusing()) and renders_mid_system(Rendering())
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+                {"role": "system", "content": "note"}, {"role": "user", "content": "b"},
+                {"role": "tool", "tool_call_id": "c", "content": "r"},
+                {"role": "system", "content": "late"}]  # fmt: skip
+    assert fold_system(messages) == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "a\n\nnote\n\nb"},
+        {"role": "tool", "tool_call_id": "c", "content": "r"},
+        {"role": "user", "content": "late"},
+    ]  # fmt: skip
+
+
+def test_anthropic_prefill_is_refused():
+    body = messages_body(messages=[{"role": "user", "content": "Hi"},
+                                   {"role": "assistant", "content": "The answer is"}])  # fmt: skip
+    with pytest.raises(A.Refusal, match="prefill"):
+        A.to_job(body, SimpleNamespace(reads=lambda name: False))

@@ -158,6 +158,11 @@ def template_args(body: S.CountTokensRequest, service: ChatService) -> dict[str,
 
 def to_job(body: S.CountTokensRequest, service: ChatService) -> ChatJob:
     """The internal job; `Refusal` names a field this server cannot honour."""
+    if body.messages[-1].role == "assistant":
+        raise Refusal(
+            "a final assistant message (prefill) is not supported: end with a user turn",
+            "messages",
+        )
     parse = tools_parsed(body.tool_choice)
     sampling = Sampling()
     stream = False

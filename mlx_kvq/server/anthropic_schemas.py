@@ -191,9 +191,11 @@ MESSAGES_FIELDS = {
     ),
     "messages": FieldDoc(
         H,
-        "roles user, assistant and system; blocks text, tool_use, tool_result (string or text "
-        "blocks), thinking and redacted_thinking sent back; image and document 400 (no model "
-        "served here takes them)",
+        "roles user, assistant and system (system turns after the first folded into the user "
+        "turn next to them for templates that do not render them); blocks text, tool_use, "
+        "tool_result (string or text blocks), thinking and redacted_thinking sent back; image "
+        "and document 400 (no model served here takes them); a final assistant turn "
+        "(prefill) 400",
     ),
     "system": FieldDoc(
         H,

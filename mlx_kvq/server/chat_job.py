@@ -293,6 +293,37 @@ class Answer:
         return min((s for s in stops if text.startswith(s, cut)), key=len, default=None)
 
 
+MID_SYSTEM_PROBE = "mid-conversation-system-probe"
+
+
+def renders_mid_system(tokenizer: Any) -> bool:
+    """Whether the chat template renders a system message after the first turn
+    (Claude Code and Codex send them); decided once, when the app is built."""
+    messages = [{"role": "user", "content": "a"},
+                {"role": "system", "content": MID_SYSTEM_PROBE},
+                {"role": "user", "content": "b"}]  # fmt: skip
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses them
+        return False
+    return isinstance(text, str) and MID_SYSTEM_PROBE in text
+
+
+def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """System messages after the first turn as user text, joined to the user turn
+    next to them (for templates that refuse or drop them; see `renders_mid_system`)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if m["role"] == "system" and i > 0:
+            m = {"role": "user", "content": m.get("content") or ""}
+        if out and m["role"] == "user" and out[-1]["role"] == "user" and len(out[-1]) == 2:
+            if len(m) == 2:
+                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{m['content']}"}
+                continue
+        out.append(m)
+    return out
+
+
 class ChatService:
     """Renders jobs into prompts and runs them on the app's engine."""
 
@@ -302,6 +333,7 @@ class ChatService:
         self.tokenizer = engine.tokenizer
         self.splitter = OutputSplitter(engine.tokenizer)
         self.variables = template_variables(engine.tokenizer)
+        self.mid_system = renders_mid_system(engine.tokenizer)
 
     def reject(self, status: int, message: str, **kw: Any) -> APIError:
         """An error refusing the request before generation, counted in /metrics."""
@@ -323,6 +355,8 @@ class ChatService:
 
         def work() -> Prompt:
             messages = [dict(m) for m in job.messages]
+            if not self.mid_system:
+                messages = fold_system(messages)
             tokens = chat_tokens(self.tokenizer, messages, args, job.tools, job.role_mapping)
             checkpoints = chat_checkpoints(self.tokenizer, messages, tokens, args, job.tools)
             return Prompt(tokens, tuple(checkpoints))
