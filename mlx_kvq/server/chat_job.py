@@ -1,10 +1,13 @@
 """The one request model inside: a chat to answer, whichever API it came from.
 
-Anthropic's Messages (`anthropic.py`) and OpenAI's Responses
-(`responses.py`) translate their bodies into a `ChatJob` (chat-template
-messages, tools, template arguments, `Sampling`) and read the answer back
-as `Part`s: reasoning text, answer text and parsed tool calls in the order
-the model wrote them, then one `Finished` with the stop reason and usage.
+OpenAI's chat completions (`openai_chat.py`), Anthropic's Messages
+(`anthropic.py`) and OpenAI's Responses (`responses.py`) translate their
+bodies into a `ChatJob` (chat-template messages, tools, template arguments,
+`Sampling`; completions use `Sampling` alone). The two agent APIs read the
+answer back as `Part`s: reasoning text, answer text and parsed tool calls
+in the order the model wrote them, then one `Finished` with the stop reason
+and usage; chat completions read the same `Answer`'s engine events and
+splitter directly, for their per-token logprobs.
 `ChatService` (one per app) does everything between: rendering the prompt
 (the chat template, tools refused where the model cannot take them, the
 context checked), the engine request, and mlx-lm's splitting of the
