@@ -10,7 +10,7 @@ from kvq_testing.distributed import tiny_model
 from mlx_kvq.caches import KVQFullCache
 from mlx_kvq.config import KVConfig, QuantSpec, UnsupportedKVConfig
 from mlx_kvq.distributed.coordinator import GroupCoordinator
-from mlx_kvq.distributed.group import exchange, gather_json
+from mlx_kvq.distributed.group import env_leader_host, exchange, gather_json
 from mlx_kvq.distributed.heartbeat import RankLoss
 from mlx_kvq.distributed.loading import (
     KV_HEADS,
@@ -204,3 +204,40 @@ def test_sharding_is_checked_from_the_config_alone():
     layout = check_sharding(tiny_model("gpt_oss"), pipeline=False)
     assert layout.how == SPLIT and layout.kv_heads == layout.rank_kv_heads == (2, 2, 2, 2)
     assert "KV heads 2 per layer, 2 per rank over 1 ranks (split)" == layout.describe()
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("", "not JSON"),
+        ("[127.0.0.1:5000]", "not JSON"),
+        ("[]", "rank 0 has no address"),
+        ('{"hosts": ["10.0.0.1:5000"]}', "rank 0 has no address"),
+        ("[[], []]", "rank 0 has no address"),
+        ("[[5000], [5001]]", "rank 0 has no address"),
+    ],
+)
+def test_a_malformed_hostfile_fails_naming_the_file(tmp_path, monkeypatch, content, problem):
+    """The heartbeat's leader address comes from MLX_HOSTFILE; a file that
+    cannot be read that way fails startup (ValueError: exit 2) instead of
+    falling back to another host in silence."""
+    monkeypatch.delenv("MLX_KVQ_HEARTBEAT_HOST", raising=False)
+    path = tmp_path / "hosts.json"
+    path.write_text(content)
+    monkeypatch.setenv("MLX_HOSTFILE", str(path))
+    with pytest.raises(ValueError, match=problem) as e:
+        env_leader_host()
+    assert f"MLX_HOSTFILE={path}" in str(e.value)
+    monkeypatch.setenv("MLX_HOSTFILE", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="cannot be read"):
+        env_leader_host()
+
+
+@pytest.mark.parametrize(
+    "content", ['[["10.0.0.7:5000", "10.0.0.7:5001"], ["10.0.0.8:5002"]]', '["10.0.0.7:5000"]']
+)
+def test_the_leader_is_rank_0_of_a_well_formed_hostfile(tmp_path, monkeypatch, content):
+    monkeypatch.delenv("MLX_KVQ_HEARTBEAT_HOST", raising=False)
+    (tmp_path / "hosts.json").write_text(content)
+    monkeypatch.setenv("MLX_HOSTFILE", str(tmp_path / "hosts.json"))
+    assert env_leader_host() == "10.0.0.7"

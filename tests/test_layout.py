@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import mlx_kvq
 
 PACKAGE = Path(mlx_kvq.__file__).parent
@@ -188,16 +190,41 @@ def extra_only_imports() -> set[str]:
         dist = todo.pop()
         if dist not in base:
             base.add(dist)
-            try:
-                todo += needs(dist)
-            except Exception:  # noqa: BLE001 - not installed on this platform
-                pass
+            # Markers are evaluated for this platform, so every dist reached here
+            # is one a plain install brings: one that is missing is a broken
+            # environment (PackageNotFoundError), never a reason to skip its
+            # dependencies (they would then count as test-only).
+            todo += needs(dist)
     extra = needs("mlx-kvq", "test") - needs("mlx-kvq") - base
     return {
         module
         for module, dists in packages_distributions().items()
         if {d.lower().replace("_", "-") for d in dists} & extra
     }
+
+
+def test_a_missing_dependency_fails_the_extra_check(monkeypatch):
+    """A dependency of a plain install that cannot be found is an error, not a
+    dist whose own dependencies quietly stop counting as plain-install ones."""
+    import importlib.metadata as metadata
+
+    from packaging.requirements import Requirement
+
+    real = metadata.requires
+    missing = next(
+        req.name
+        for req in map(Requirement, real("mlx-kvq"))
+        if req.marker is None or req.marker.evaluate({"extra": ""})
+    )
+
+    def requires(dist: str):
+        if dist.lower() == missing.lower():
+            raise metadata.PackageNotFoundError(dist)
+        return real(dist)
+
+    monkeypatch.setattr(metadata, "requires", requires)
+    with pytest.raises(metadata.PackageNotFoundError):
+        extra_only_imports()
 
 
 def test_every_shipped_module_imports_without_the_test_extra():
