@@ -1,4 +1,4 @@
-"""Multi-turn prompt reuse on a hybrid model whose windows wrap (issue 12, item 6).
+"""Multi-turn prompt reuse on a hybrid model whose windows wrap.
 
 The engine runs in-process on a scripted gemma3_text model (sliding windows
 of 16 tokens, quantized): every turn is longer than the windows, so no
