@@ -351,8 +351,9 @@ def scaled_dot_product_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """Drop-in for `mlx_lm.models.base.scaled_dot_product_attention`."""
-    if isinstance(keys, tuple) and hasattr(cache, "bits"):
-        # mlx-lm's own QuantizedKVCache hands out plain tuples.
+    if isinstance(keys, tuple | list) and hasattr(cache, "bits"):
+        # mlx-lm's own QuantizedKVCache hands out what `mx.quantize` returns:
+        # (data, scales, biases) as a list (MLX 0.32) or a tuple.
         keys = QuantizedKV(*keys, cache.bits, cache.group_size)
         values = QuantizedKV(*values, cache.bits, cache.group_size)
     packed = isinstance(keys, QuantizedKV) or isinstance(values, QuantizedKV)

@@ -258,3 +258,29 @@ def test_a_gpu_backend_takes_mlx_quantized_kernels(monkeypatch):
     gpu_out = attention.quantized_attention(q, kq, vq, 0.125, "causal")
     assert mx.allclose(gpu_out, cpu_out, atol=1e-4).item()
     assert mx.allclose(gpu_out, _reference(q, kq, vq, 0.125, "causal"), atol=5e-5).item()
+
+
+def test_mlx_lms_own_quantized_cache_through_the_redirect():
+    """mlx-lm's `test_quantized_sdpa` (tests/test_models.py of its 0.32.2
+    sdist) with the redirect installed: its `QuantizedKVCache` hands out
+    lists (`mx.quantize`'s return type), which fell through to `mx.fast`
+    and raised TypeError."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.cache import KVCache
+
+    assert scaled_dot_product_attention is attention.scaled_dot_product_attention
+    key = iter(mx.random.split(mx.random.key(3), 5))
+    cache = KVCache()
+    cache.update_and_fetch(*(0.1 * mx.random.normal((1, 1, 256, 32), key=next(key)),) * 2)
+    quant_cache = cache.to_quantized(group_size=32, bits=8)
+    k = 0.1 * mx.random.normal((1, 1, 1, 32), key=next(key))
+    v = 0.1 * mx.random.normal((1, 1, 1, 32), key=next(key))
+    k_up, v_up = cache.update_and_fetch(k, v)
+    qk_up, qv_up = quant_cache.update_and_fetch(k, v)
+    assert isinstance(qk_up, list | tuple)
+    q = 0.1 * mx.random.normal((1, 4, 257, 32), key=next(key))
+    out = scaled_dot_product_attention(q, k_up, v_up, cache=cache, mask="causal", scale=1.0)
+    qout = scaled_dot_product_attention(
+        q, qk_up, qv_up, cache=quant_cache, mask="causal", scale=1.0
+    )
+    assert mx.allclose(out, qout, rtol=1e-2, atol=1e-2).item()
