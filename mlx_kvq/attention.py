@@ -31,7 +31,8 @@ from .blas import fast_float32_products
 from .kernels import native_status, packed_scores, packed_weighted
 from .quant import QuantizedKV, rotate
 
-_ORIGINAL = mlx_base.scaled_dot_product_attention
+# mlx-lm's own function, which its own QuantizedKVCache keeps using
+MLX_LM_ATTENTION = mlx_base.scaled_dot_product_attention
 
 # Queries are processed in blocks of at most _QUERY_BLOCK queries and
 # _SCORE_BUDGET score elements (64 MiB in float32), so a long prefill chunk
@@ -351,12 +352,8 @@ def scaled_dot_product_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """Drop-in for `mlx_lm.models.base.scaled_dot_product_attention`."""
-    if isinstance(keys, tuple | list) and hasattr(cache, "bits"):
-        # mlx-lm's own QuantizedKVCache hands out what `mx.quantize` returns:
-        # (data, scales, biases) as a list (MLX 0.32) or a tuple.
-        keys = QuantizedKV(*keys, cache.bits, cache.group_size)
-        values = QuantizedKV(*values, cache.bits, cache.group_size)
-    packed = isinstance(keys, QuantizedKV) or isinstance(values, QuantizedKV)
+    mlx_lm_packed = isinstance(keys, tuple | list)
+    packed = mlx_lm_packed or isinstance(keys, QuantizedKV) or isinstance(values, QuantizedKV)
     if _counter is not None:
         _counter["quantized" if packed else "full_precision"] += 1
         if cache is None:
@@ -364,6 +361,10 @@ def scaled_dot_product_attention(
         if sinks is not None:
             _counter["sinks"] += 1
         _counter[("cache", id(cache), packed)] += 1
+    if mlx_lm_packed:
+        # mlx-lm's own QuantizedKVCache (what `mx.quantize` returns, a list or
+        # a tuple): mlx-lm's own function, so its results stay bit for bit
+        return MLX_LM_ATTENTION(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     if packed:
         return quantized_attention(queries, keys, values, scale, mask, sinks)
     return mx.fast.scaled_dot_product_attention(
@@ -383,7 +384,7 @@ def count_attention() -> Iterator[Counter]:
 
 
 def _patch_module(module) -> bool:
-    if getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL:
+    if getattr(module, "scaled_dot_product_attention", None) is MLX_LM_ATTENTION:
         module.scaled_dot_product_attention = scaled_dot_product_attention
         return True
     return False

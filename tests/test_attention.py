@@ -160,8 +160,9 @@ def test_half_precision_queries(dtype):
 
 
 def test_dispatch_and_mlx_lm_tuples():
-    """The redirect sends packed K/V (ours, or mlx-lm's QuantizedKVCache
-    tuples) to quantized attention and arrays to mx.fast, and counts it."""
+    """The redirect sends our packed K/V to quantized attention, mlx-lm's
+    QuantizedKVCache tuples to mlx-lm's own function (bit for bit) and arrays
+    to mx.fast, and counts it."""
     rng = np.random.default_rng(8)
     q, k, v = _qkv(rng, 1, 4, 2, 2, 10)
     kq, vq = _pack(k, QuantSpec(8)), _pack(v, QuantSpec(8))
@@ -172,11 +173,18 @@ def test_dispatch_and_mlx_lm_tuples():
     tuples = (kq.data, kq.scales, kq.biases), (vq.data, vq.scales, vq.biases)
     with attention.count_attention() as counts:
         a = attention.scaled_dot_product_attention(q, kq, vq, None, 0.125, "causal")
-        b = attention.scaled_dot_product_attention(q, *tuples, MlxLmQuantized(), 0.125, "causal")
+        # mlx-lm's function scales its queries in place: it gets copies
+        b = attention.scaled_dot_product_attention(
+            mx.array(q), *tuples, MlxLmQuantized(), 0.125, "causal"
+        )
         c = attention.scaled_dot_product_attention(q, k, v, object(), 0.125, "causal")
     assert counts["quantized"] == 2 and counts["full_precision"] == 1
     assert counts["no_cache"] == 1
-    assert mx.array_equal(a, b).item()
+    own = attention.MLX_LM_ATTENTION(
+        mx.array(q), *tuples, MlxLmQuantized(), scale=0.125, mask="causal"
+    )
+    assert mx.array_equal(b, own).item()
+    assert mx.allclose(a, b, atol=1e-4).item()
     assert mx.allclose(
         c, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
     ).item()
@@ -264,7 +272,7 @@ def test_mlx_lms_own_quantized_cache_through_the_redirect():
     """mlx-lm's `test_quantized_sdpa` (tests/test_models.py of its 0.32.2
     sdist) with the redirect installed: its `QuantizedKVCache` hands out
     lists (`mx.quantize`'s return type), which fell through to `mx.fast`
-    and raised TypeError."""
+    and raised TypeError. They go to mlx-lm's own function: bit for bit."""
     from mlx_lm.models.base import scaled_dot_product_attention
     from mlx_lm.models.cache import KVCache
 
@@ -281,6 +289,10 @@ def test_mlx_lms_own_quantized_cache_through_the_redirect():
     q = 0.1 * mx.random.normal((1, 4, 257, 32), key=next(key))
     out = scaled_dot_product_attention(q, k_up, v_up, cache=cache, mask="causal", scale=1.0)
     qout = scaled_dot_product_attention(
-        q, qk_up, qv_up, cache=quant_cache, mask="causal", scale=1.0
+        mx.array(q), qk_up, qv_up, cache=quant_cache, mask="causal", scale=1.0
     )
     assert mx.allclose(out, qout, rtol=1e-2, atol=1e-2).item()
+    own = attention.MLX_LM_ATTENTION(
+        mx.array(q), qk_up, qv_up, cache=quant_cache, mask="causal", scale=1.0
+    )
+    assert mx.array_equal(qout, own).item()
