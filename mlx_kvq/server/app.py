@@ -2,7 +2,8 @@
 
 HTTP only. `openai.py` answers OpenAI's endpoints, `probes.py` the probes and
 metrics, `web.py` the page at `/` and `/status`, `api_doc.py` `/openapi.json`; errors leave in OpenAI's body shape (`errors.py`); `lifecycle.py`
-refuses new requests while the process drains. Starting, stopping and
+refuses new requests while the process drains, `guard.py` requests a web page
+must not make (foreign Host or Origin, bodies that are not JSON). Starting, stopping and
 signals belong to the process that runs the app (`mlx_kvq.commands`).
 """
 
@@ -12,7 +13,6 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -22,6 +22,7 @@ from mlx_kvq.engine import Engine
 from .api_doc import openapi_document
 from .auth import api_key_check
 from .errors import APIError, error_response, validation_message
+from .guard import GuardMiddleware
 from .lifecycle import InFlightMiddleware, Lifecycle
 from .openai import openai_router
 from .probes import budget_status, probes_router
@@ -41,18 +42,15 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     app.state.lifecycle = Lifecycle()
     app.add_middleware(InFlightMiddleware, lifecycle=app.state.lifecycle)
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=list(settings.allowed_origins),
-        allow_methods=["*"],
-        allow_headers=["*"],
-    )
+    app.add_middleware(GuardMiddleware, policy=settings.guard)  # outermost: runs first
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
         if e.retry_after is not None:
             headers["Retry-After"] = str(e.retry_after)
+        if e.close:
+            headers["Connection"] = "close"
         return error_response(e.status, e.message, e.param, e.code, headers)
 
     @app.exception_handler(StarletteHTTPException)
