@@ -23,8 +23,6 @@ import pytest
 from kvq_testing.server import ServerProcess
 from kvq_testing.tiny import save_tiny_model
 
-from mlx_kvq.server.guard import GuardPolicy, host_name, is_json, is_loopback
-
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HI = [{"role": "user", "content": "Hi"}]
@@ -155,6 +153,8 @@ def test_a_cross_site_text_plain_post_and_a_foreign_host_are_refused(server):
 
 
 def test_guard_policy():
+    from mlx_kvq.server.guard import GuardPolicy, host_name, is_json, is_loopback
+
     loop = GuardPolicy.for_bind("127.0.0.1", None, [])
     assert loop.host_allowed("127.0.0.1:8080") and loop.host_allowed("[::1]:8080")
     assert loop.host_allowed("localhost") and loop.host_allowed("app.localhost:1")
@@ -213,3 +213,34 @@ def test_an_api_key_no_header_can_carry_exits_2():
         )  # fmt: skip
         assert proc.returncode == 2, proc.stderr
         assert "--api-key" in proc.stderr
+
+
+def test_connection_cap_and_a_drain_that_does_not_wait_for_arriving_bodies(tmp_path):
+    import signal
+
+    model = save_tiny_model(tmp_path / "m", "llama:sliding")
+    with ServerProcess(model, "--max-connections", "3", "--shutdown-timeout", "60") as s:
+        s.wait_ready()
+        time.sleep(0.5)  # the readiness polls' connections are gone
+        held = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(3)]
+        with socket.create_connection(("127.0.0.1", s.port)) as extra:
+            got = closed_within(extra, WAIT_S)
+        assert got is not None and got.startswith(b"HTTP/1.1 503"), got
+        for sock in held:
+            sock.close()
+        time.sleep(0.5)
+        assert httpx.get(s.url + "/live", timeout=WAIT_S).status_code == 200
+
+        upload = socket.create_connection(("127.0.0.1", s.port))
+        upload.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                       b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"pro")  # fmt: skip
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        got = closed_within(upload, WAIT_S)
+        upload.close()
+        assert got is not None and got.startswith(b"HTTP/1.1 503") and b"shutting_down" in got
+        assert s.proc.wait(WAIT_S) == 0
+        # The drain did not wait out --shutdown-timeout for a body that never came.
+        assert time.monotonic() - signalled < 30
+        assert "Traceback" not in s.log(), s.log()[-3000:]
