@@ -1,10 +1,12 @@
 """The FastAPI app: the routers of this package over one engine.
 
-HTTP only. `openai.py` answers OpenAI's endpoints, `probes.py` the probes and
-metrics, `web.py` the page at `/` and `/status`, `api_doc.py` `/openapi.json`; errors leave in OpenAI's body shape (`errors.py`); `lifecycle.py`
-refuses new requests while the process drains, `guard.py` requests a web page
-must not make (foreign Host or Origin, bodies that are not JSON). Starting, stopping and
-signals belong to the process that runs the app (`mlx_kvq.commands`).
+HTTP only. `openai.py` answers OpenAI's endpoints, `probes.py` the probes
+and metrics, `web.py` the page at `/` and `/status`, `api_doc.py`
+`/openapi.json`; errors leave in OpenAI's body shape (`errors.py`);
+`guard.py` refuses what a web page must not send (a foreign Host or Origin,
+API bodies that are not JSON); `lifecycle.py` refuses new requests while
+the process drains. Starting, stopping and signals belong to the process
+that runs the app (`mlx_kvq.commands`).
 """
 
 from __future__ import annotations

@@ -165,6 +165,3 @@ class PromptWork:
     async def completion(self, prompt: str | Sequence[int]) -> list[int]:
         """A completion prompt's token ids (text tokenized, ids passed through)."""
         return await self.run(completion_tokens, self.tokenizer, prompt)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
