@@ -28,6 +28,7 @@ from .guard import GuardMiddleware
 from .lifecycle import InFlightMiddleware, Lifecycle
 from .openai import openai_router
 from .probes import budget_status, probes_router
+from .prompting import PromptWork
 from .settings import ServerSettings
 from .web import web_router
 
@@ -43,6 +44,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.state.engine = engine
     app.state.settings = settings
     app.state.lifecycle = Lifecycle()
+    # one for the app: every endpoint that prepares prompts shares its threads and cap
+    app.state.prompts = PromptWork(engine.tokenizer, settings.max_context, settings.prompt_workers)
     app.add_middleware(InFlightMiddleware, lifecycle=app.state.lifecycle)
     app.add_middleware(GuardMiddleware, policy=settings.guard)  # outermost: runs first
 
@@ -76,7 +79,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         )
     )
     app.include_router(
-        openai_router(engine, settings, api_key_check(settings.api_key, engine.metrics))
+        openai_router(
+            engine, settings, api_key_check(settings.api_key, engine.metrics), app.state.prompts
+        )
     )
     return app
 

@@ -57,12 +57,14 @@ def template_fields(body: Any, variables: frozenset[str]) -> tuple[dict[str, Any
     return fields, unread
 
 
-def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> APIRouter:
-    """The OpenAI routes; `auth` is the dependency that checks the API key."""
+def openai_router(
+    engine: Engine, settings: ServerSettings, auth: Callable, prompts: PromptWork
+) -> APIRouter:
+    """The OpenAI routes; `auth` is the dependency that checks the API key, `prompts`
+    the app's one `PromptWork` (its cap holds across every endpoint)."""
     router = APIRouter(dependencies=[Depends(auth)])
     token_text = schemas.TokenText(engine.tokenizer)
     splitter = OutputSplitter(engine.tokenizer)
-    prompts = PromptWork(engine.tokenizer, settings.max_context, settings.prompt_workers)
     variables = template_variables(engine.tokenizer)
     templated = has_chat_template(engine.tokenizer)
     log.info(
