@@ -8,6 +8,7 @@ from .full import KVQBatchFullCache, KVQFullCache
 from .indexer import KVQBatchIndexerCache, KVQIndexerCache
 from .layer import KVQLayerCache
 from .registry import (
+    PROMPT_FILE_CLASSES,
     REGISTRY,
     is_twin,
     leaves,
@@ -27,6 +28,7 @@ register_for_prompt_files()
 __all__ = [
     "DEQUANTIZED",
     "PACKED",
+    "PROMPT_FILE_CLASSES",
     "REGISTRY",
     "KVQBatchFullCache",
     "KVQBatchIndexerCache",

@@ -1,9 +1,12 @@
 """The FastAPI app: the routers of this package over one engine.
 
-HTTP only. `openai.py` answers OpenAI's endpoints, `probes.py` the probes and
-metrics, `web.py` the page at `/` and `/status`, `api_doc.py` `/openapi.json`; errors leave in OpenAI's body shape (`errors.py`); `lifecycle.py`
-refuses new requests while the process drains. Starting, stopping and
-signals belong to the process that runs the app (`mlx_kvq.commands`).
+HTTP only. `openai.py` answers OpenAI's endpoints, `probes.py` the probes
+and metrics, `web.py` the page at `/` and `/status`, `api_doc.py`
+`/openapi.json`; errors leave in OpenAI's body shape (`errors.py`);
+`guard.py` refuses what a web page must not send (a foreign Host or Origin,
+API bodies that are not JSON); `lifecycle.py` refuses new requests while
+the process drains. Starting, stopping and signals belong to the process
+that runs the app (`mlx_kvq.commands`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -22,9 +24,11 @@ from mlx_kvq.engine import Engine
 from .api_doc import openapi_document
 from .auth import api_key_check
 from .errors import APIError, error_response, validation_message
+from .guard import GuardMiddleware
 from .lifecycle import InFlightMiddleware, Lifecycle
 from .openai import openai_router
 from .probes import budget_status, probes_router
+from .prompting import PromptWork
 from .settings import ServerSettings
 from .web import web_router
 
@@ -40,19 +44,18 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.state.engine = engine
     app.state.settings = settings
     app.state.lifecycle = Lifecycle()
+    # one for the app: every endpoint that prepares prompts shares its threads and cap
+    app.state.prompts = PromptWork(engine.tokenizer, settings.max_context, settings.prompt_workers)
     app.add_middleware(InFlightMiddleware, lifecycle=app.state.lifecycle)
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=list(settings.allowed_origins),
-        allow_methods=["*"],
-        allow_headers=["*"],
-    )
+    app.add_middleware(GuardMiddleware, policy=settings.guard)  # outermost: runs first
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
         if e.retry_after is not None:
             headers["Retry-After"] = str(e.retry_after)
+        if e.close:
+            headers["Connection"] = "close"
         return error_response(e.status, e.message, e.param, e.code, headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -76,7 +79,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         )
     )
     app.include_router(
-        openai_router(engine, settings, api_key_check(settings.api_key, engine.metrics))
+        openai_router(
+            engine, settings, api_key_check(settings.api_key, engine.metrics), app.state.prompts
+        )
     )
     return app
 

@@ -30,18 +30,14 @@ from mlx_kvq.engine import (
     TokenEvent,
 )
 from mlx_kvq.engine.processors import json_grammar
-from mlx_kvq.engine.prompts import (
-    chat_tokens,
-    completion_tokens,
-    has_chat_template,
-    template_variables,
-)
-from mlx_kvq.engine.segments import chat_checkpoints
+from mlx_kvq.engine.prompts import has_chat_template, template_variables
 
 from . import schemas
-from .body import BodyError, parse_body
+from .body import BodyError, BodyNotRead, receive_body
 from .chat_output import OutputSplitter
 from .errors import APIError, error_body, validation_message
+from .lifecycle import RETRY_AFTER_S
+from .prompting import PromptTooLong, PromptWork
 from .settings import ServerSettings
 from .streams import IDLE, SSE_DONE, Generation, event_stream, keepalive, sse
 from .tools import ToolChoiceError, tool_policy, tools_refusal
@@ -61,8 +57,11 @@ def template_fields(body: Any, variables: frozenset[str]) -> tuple[dict[str, Any
     return fields, unread
 
 
-def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> APIRouter:
-    """The OpenAI routes; `auth` is the dependency that checks the API key."""
+def openai_router(
+    engine: Engine, settings: ServerSettings, auth: Callable, prompts: PromptWork
+) -> APIRouter:
+    """The OpenAI routes; `auth` is the dependency that checks the API key, `prompts`
+    the app's one `PromptWork` (its cap holds across every endpoint)."""
     router = APIRouter(dependencies=[Depends(auth)])
     token_text = schemas.TokenText(engine.tokenizer)
     splitter = OutputSplitter(engine.tokenizer)
@@ -80,24 +79,20 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
 
     async def read_body(request: Request, model_cls: type) -> Any:
         limit = settings.max_request_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise reject(400, "invalid Content-Length header")
-            if int(declared) > limit:
-                raise reject(413, f"request body over {limit} bytes", code="request_too_large")
-        body, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise reject(413, f"request body over {limit} bytes", code="request_too_large")
-            body.append(chunk)
+        lifecycle = request.app.state.lifecycle
         try:
-            data = parse_body(b"".join(body))
+            raw = await receive_body(
+                request.receive, limit, settings.body_timeout, lambda: lifecycle.draining,
+                request.headers.get("content-length"),
+            )  # fmt: skip
+            parsed = await prompts.parse(raw, model_cls)
+        except BodyNotRead as e:
+            retry = RETRY_AFTER_S if e.status == 503 else None
+            raise reject(e.status, e.message, code=e.code, retry_after=retry, close=True) from None
         except BodyError as e:
             raise reject(400, e.message, param=e.param) from None
-        try:
-            parsed = model_cls.model_validate(data)
+        except PromptTooLong as e:
+            raise reject(400, e.message, param=e.param, code="context_length_exceeded") from None
         except ValidationError as e:
             message, param = validation_message(e.errors())
             raise reject(400, message, param=param) from None
@@ -229,19 +224,19 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
         refusal = tools_refusal(splitter.tools, variables) if tools else None
         if refusal is not None:
             raise reject(400, f"tools cannot be honoured: {refusal}", param="tools")
-        messages = [m.as_template_dict() for m in body.messages]
         args = template_args(body)
         try:
-            prompt = chat_tokens(engine.tokenizer, messages, args, tools, body.role_mapping)
+            messages = await prompts.run(lambda: [m.as_template_dict() for m in body.messages])
+            chat = await prompts.chat(messages, args, tools, body.role_mapping)
         except Exception as e:  # template errors are the request's fault
             raise reject(400, f"could not apply the chat template: {e}", param="messages") from e
+        prompt = chat.tokens
         check_length(prompt)
         grammar = await grammar_of(body.response_format, prompt)
         want_logprobs = body.want_logprobs
         params = sampling(body, want_logprobs, max(body.top_logprobs or 0, 0), grammar)
-        checkpoints = chat_checkpoints(engine.tokenizer, messages, prompt, args, tools)
         job = GenerationRequest(
-            prompt, params, progress=body.stream, checkpoints=checkpoints,
+            prompt, params, progress=body.stream, checkpoints=chat.checkpoints,
             draft_tokens=drafting(body),
         )  # fmt: skip
         generation = Generation(engine, job)
@@ -296,7 +291,7 @@ def openai_router(engine: Engine, settings: ServerSettings, auth: Callable) -> A
             vocab = getattr(engine.tokenizer, "vocab_size", None)
             if vocab and any(t < 0 or t >= vocab for t in prompt_input):
                 raise reject(400, "prompt token ids out of the vocabulary range", param="prompt")
-        prompt = completion_tokens(engine.tokenizer, prompt_input)
+        prompt = await prompts.completion(prompt_input)
         check_length(prompt)
         want_logprobs = body.want_logprobs
         params = sampling(body, want_logprobs, body.top_count)
