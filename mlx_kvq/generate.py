@@ -223,27 +223,59 @@ def load_prompt_cache(
 ):
     """mlx-lm's `load_prompt_cache` with clear errors.
 
-    A file holding a cache class that cannot be resolved raises `ValueError`
-    naming it (mlx-lm raises a bare `KeyError`). With `expect`, a file whose
-    quantized layers were stored with other settings is refused, checked on
-    every layer (mlx-lm only looks at layer 0, a sliding layer on Gemma).
+    A file that cannot be read (truncated, not safetensors, malformed
+    metadata), that names a cache class outside `PROMPT_FILE_CLASSES`, or
+    whose caches hold impossible values (a negative offset, an unknown
+    dtype) raises `ValueError` with the reason (mlx-lm raises a bare
+    `KeyError`, or loads them). With `expect`, a file whose quantized layers
+    were stored with other settings is refused, checked on every layer
+    (mlx-lm only looks at layer 0, a sliding layer on Gemma).
     """
+    from .caches import PROMPT_FILE_CLASSES
+
     if not Path(file_name).exists():
         raise FileNotFoundError(f"prompt cache file {file_name} does not exist")
-    _, meta = mx.load(str(file_name), return_metadata=True)
+    try:
+        _, meta = mx.load(str(file_name), return_metadata=True)
+    except Exception as e:  # noqa: BLE001 - whatever the reader says is the file's fault
+        raise ValueError(f"prompt cache file {file_name} cannot be read: {e}") from None
     classes = [
         v for k, v in sorted(meta.items(), key=lambda kv: _meta_order(kv[0])) if k.startswith("1.")
     ]
-    unknown = sorted({c for c in classes if not hasattr(mlx_cache, c)})
+    if not classes:
+        raise ValueError(
+            f"prompt cache file {file_name} names no cache classes (not a prompt cache)"
+        )
+    unknown = sorted({c for c in classes if c not in PROMPT_FILE_CLASSES})
     if unknown:
         raise ValueError(
             f"prompt cache file {file_name} holds cache classes {unknown} that are not "
             "known to mlx-lm or mlx-kvq (written by another library or version?)"
         )
-    cache, metadata = mlx_cache.load_prompt_cache(str(file_name), return_metadata=True)
+    try:
+        cache, metadata = mlx_cache.load_prompt_cache(str(file_name), return_metadata=True)
+    except Exception as e:  # noqa: BLE001 - a malformed state is the file's fault
+        raise ValueError(
+            f"prompt cache file {file_name} is malformed: {type(e).__name__}: {e}"
+        ) from None
+    _check_counts(cache, file_name)
     if expect is not None:
         check_prompt_cache_settings(cache, expect, file_name)
     return (cache, metadata) if return_metadata else cache
+
+
+def _check_counts(cache: list, file_name: str) -> None:
+    """Refuse caches with a negative integer in their state (offsets, starts, sizes)."""
+    from .caches import leaves
+
+    for i, slot in enumerate(cache):
+        for leaf in leaves(slot):
+            for name, value in vars(leaf).items():
+                if type(value) is int and value < 0:
+                    raise ValueError(
+                        f"prompt cache file {file_name}: layer {i} ({type(leaf).__name__}) "
+                        f"has {name.lstrip('_')} = {value}; it cannot be negative"
+                    )
 
 
 def _meta_order(key: str):

@@ -30,6 +30,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "server.md"
 DIFFERENT_DEFAULTS = {
     "quantized_kv_start": "ours quantizes from token 0; mlx-lm's default is 5000",
     "num_draft_tokens": "ours is None (3 with --draft-model; alone it exits 2); mlx-lm's is 3",
+    "allowed_origins": "ours is none besides the server's own and loopback origins; mlx-lm's "
+    "is * (any web page may drive a local server)",
 }
 
 

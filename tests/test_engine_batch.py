@@ -220,7 +220,8 @@ def test_engine_failure_is_reported_by_health(loaded):
     model, tokenizer, plan, kv = loaded
     boom = ExplodingModel(model)
     eng = Engine(boom, tokenizer, plan, kv, EngineOptions())
-    client = TestClient(create_app(eng, ServerSettings(model_id="tiny", plan=plan.to_dict())))
+    app = create_app(eng, ServerSettings(model_id="tiny", plan=plan.to_dict()))
+    client = TestClient(app, base_url="http://127.0.0.1")
     eng.start()
     assert eng.readiness.ready_event.wait(WAIT_S)
     assert client.get("/health").status_code == 200

@@ -228,3 +228,45 @@ def test_expect_refuses_mismatched_settings_on_any_layer(tmp_path):
     with pytest.raises(UnsupportedKVConfig, match="unquantized"):
         load_prompt_cache(path, expect=KVConfig(bits=4))
     assert len(load_prompt_cache(path, expect=KVConfig())) == 1
+
+
+def _rewritten(src: str, dst: str, arrays: dict | None = None, meta: dict | None = None) -> str:
+    """A copy of the prompt file `src` with some arrays or metadata entries replaced."""
+    a, m = mx.load(src, return_metadata=True)
+    mx.save_safetensors(dst, {**a, **(arrays or {})}, {**m, **(meta or {})})
+    return dst
+
+
+def _text(s: str) -> mx.array:
+    return mx.array([ord(c) for c in s], dtype=mx.int32)
+
+
+def test_bad_prompt_cache_files_exit_2_with_the_reason(tmp_path, capsys):
+    from mlx_kvq.commands import main
+
+    rng = np.random.default_rng(3)
+    good = str(tmp_path / "good.safetensors")
+    save_prompt_cache(good, [_fill(KVQFullCache(Q4, Q4), rng, [9])])
+    raw = open(good, "rb").read()
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(raw[: len(raw) // 2])
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\xff" * 64)
+    # Scalars are stored as arrays: "0.1" is layer 0's offset, "0.2.8" its dtype name.
+    cases = {
+        str(truncated): "cannot be read",
+        str(garbage): "cannot be read",
+        _rewritten(good, str(tmp_path / "neg.safetensors"), {"0.1": mx.array(-5)}): "offset -5",
+        _rewritten(good, str(tmp_path / "eval.safetensors"), {"0.2.8": _text("eval")}):
+            "unknown dtype 'eval'",
+        _rewritten(good, str(tmp_path / "mx.safetensors"), meta={"1.0": "mx"}): "['mx']",
+        _rewritten(good, str(tmp_path / "builtins.safetensors"), meta={"1.0": "__builtins__"}):
+            "['__builtins__']",
+    }  # fmt: skip
+    for path, reason in cases.items():
+        code = main(["generate", "--prompt", "Hi", "--max-tokens", "2",
+                     "--prompt-cache-file", path, "--kv-bits", "4"])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 2, (path, err)
+        assert path in err and reason in err, (path, err)
+    assert len(load_prompt_cache(good, expect=KVConfig(bits=4))) == 1

@@ -1,4 +1,4 @@
-"""`--adapter-path` and the `adapters` request field (issue 12, item 4).
+"""`--adapter-path` and the `adapters` request field.
 
 A tiny LoRA made with mlx-lm's own LoRA utilities and saved as `mlx_lm.lora`
 saves it (kvq_testing.adapters) changes the scripted model's answer (it
@@ -68,6 +68,14 @@ def test_adapter_answers_as_in_mlx_lm_server_and_adapters_field(model_and_adapte
             timeout=30,
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "adapters"
+        # a NUL byte cannot name a path: a 400, not a 500 from the path resolution
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"messages": QUESTION, "adapters": str(adapter) + "\u0000x"},
+            timeout=30,
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "adapters"
 
 
 def chat_body(**fields):
@@ -88,6 +96,9 @@ def test_adapters_field_against_what_the_server_holds():
     with pytest.raises(VariantError) as e:
         check_adapter(chat_body(adapters="/srv/adapters/b"), with_adapter)
     assert e.value.param == "adapters" and "'/srv/adapters/a'" in e.value.message
+    with pytest.raises(VariantError) as e:
+        check_adapter(chat_body(adapters="/srv/adapters/a\x00"), with_adapter)
+    assert e.value.param == "adapters"
 
 
 def test_missing_adapter_exits_2_before_loading(tmp_path, model_and_adapter, capsys):

@@ -157,7 +157,7 @@ def test_non_streaming_client_disconnect_is_cancelled(server):
                        "max_tokens": 480}).encode()  # fmt: skip
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
         + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
         + body
     )

@@ -1,4 +1,4 @@
-"""`--draft-model`, `--num-draft-tokens` and the request fields (issue 12, item 5).
+"""`--draft-model`, `--num-draft-tokens` and the request fields.
 
 A real `mlx-kvq serve` with the official `openai` client: a scripted hybrid
 model (windows of 16 tokens that wrap) drafted by the same script with one
@@ -108,6 +108,9 @@ def test_without_draft_model_the_fields_are_refused(paths, tmp_path):
     assert draft_tokens(body(), drafting) == 5
     assert draft_tokens(body(draft_model="default_model", num_draft_tokens=2), drafting) == 2
     assert draft_tokens(body(draft_model="/d/"), drafting) == 5
+    with pytest.raises(VariantError) as e:  # a NUL byte names no path (was a ValueError: 500)
+        draft_tokens(body(draft_model="/d\x00"), drafting)
+    assert e.value.param == "draft_model"
     assert draft_tokens(body(draft_model=None), drafting) == 0
     with pytest.raises(VariantError):
         draft_tokens(body(draft_model="/e"), drafting)

@@ -118,7 +118,8 @@ def test_oversized_body_gets_413(server):
         yield b'"}]}'
 
     r = httpx.post(server.url + CHAT, content=chunks(), timeout=60,
-                   headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+                   headers={"Authorization": f"Bearer {KEY}",
+                            "Content-Type": "application/json"})  # fmt: skip
     assert_openai_error(r, 413, code="request_too_large")
     assert_still_serving(server)
 

@@ -8,12 +8,14 @@ from .full import KVQBatchFullCache, KVQFullCache
 from .indexer import KVQBatchIndexerCache, KVQIndexerCache
 from .layer import KVQLayerCache
 from .registry import (
+    PROMPT_FILE_CLASSES,
     REGISTRY,
     is_twin,
     leaves,
     lookup,
     quantize_cache,
     register_for_prompt_files,
+    report_leaves,
 )
 from .window import KVQBatchWindowCache, KVQWindowCache
 
@@ -26,6 +28,7 @@ register_for_prompt_files()
 __all__ = [
     "DEQUANTIZED",
     "PACKED",
+    "PROMPT_FILE_CLASSES",
     "REGISTRY",
     "KVQBatchFullCache",
     "KVQBatchIndexerCache",
@@ -39,6 +42,7 @@ __all__ = [
     "cache_report",
     "is_twin",
     "leaves",
+    "report_leaves",
     "lookup",
     "quantize_cache",
     "register_for_prompt_files",
@@ -62,4 +66,4 @@ def cache_report(caches: list) -> list[dict]:
     member; recurrent state reports kind "state" with `quantized` False (it
     is not a KV cache).
     """
-    return [_entry(leaf) for c in caches for leaf in leaves(c)]
+    return [_entry(leaf) for c in caches for leaf in report_leaves(c)]

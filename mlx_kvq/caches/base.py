@@ -16,6 +16,9 @@ from ..quant import Store
 PACKED = "packed"  # QuantizedKV objects, for attention that takes them
 DEQUANTIZED = "dequantized"  # plain arrays, for model code that needs arrays
 
+# The dtypes a cache may record in a prompt file, by name (never looked up on `mx`).
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
 
 class KVQCache(BaseCache):
     """Base of the quantized caches: keys and values are `Store`s.
@@ -181,6 +184,10 @@ class KVQCache(BaseCache):
 
     def _set_spec_state(self, meta: list) -> None:
         kb, kg, kr, vb, vg, vr, start, hand_out, dtype = meta
+        if hand_out not in (PACKED, DEQUANTIZED):
+            raise ValueError(f"unknown hand-out {hand_out!r} (expected {PACKED} or {DEQUANTIZED})")
+        if int(start) < 0:
+            raise ValueError(f"negative quantized_kv_start {int(start)}")
         self._init_specs(
             QuantSpec(int(kb) or None, int(kg), kr),
             QuantSpec(int(vb) or None, int(vg), vr),
@@ -188,7 +195,9 @@ class KVQCache(BaseCache):
             hand_out,
         )
         # An empty cache has no dtype yet ("none").
-        self.dtype = None if dtype == "none" else getattr(mx, dtype)
+        if dtype != "none" and dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+        self.dtype = None if dtype == "none" else DTYPES[dtype]
 
     def _store_state(self, upto: int | None = None) -> list:
         """The stores' arrays; with `upto`, only the first `upto` slots (as

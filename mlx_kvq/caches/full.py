@@ -67,6 +67,9 @@ class KVQFullCache(KVQCache):
         stores, offset, meta = v
         self._set_spec_state(meta)
         self._set_store_state(stores)
+        held = 0 if self._keys is None else self._keys.length
+        if not 0 <= int(offset) <= held:
+            raise ValueError(f"offset {int(offset)} outside the {held} rows the file holds")
         self.offset = int(offset)
 
     @classmethod

@@ -135,6 +135,16 @@ def leaves(cache) -> list:
     return [cache]
 
 
+def report_leaves(cache) -> list:
+    """What a report lists for a slot: its leaves, with the report views of
+    deepseek_v41's open compression group (`PendingRows`), which are no caches."""
+    if type(cache) is KVQLayerCache:
+        return list(cache.report_members)
+    if type(cache) in CONTAINERS:
+        return [leaf for c in cache.caches for leaf in report_leaves(c)]
+    return [cache]
+
+
 def is_twin(cache) -> bool:
     """True for a cache mlx-kvq made (a declared quantized twin)."""
     return type(cache) in TWINS
@@ -160,10 +170,21 @@ def quantize_cache(
     return kind.convert(cache, key_spec, value_spec, start, hand_out)
 
 
-def register_for_prompt_files() -> None:
-    """Make our classes resolvable where mlx-lm's `load_prompt_cache` looks
-    them up (`globals()` of `mlx_lm.models.cache`)."""
+# The classes a prompt file may name, by name: mlx-lm's caches and ours. A file
+# naming anything else is refused (mlx-lm resolves names in its module's globals,
+# where `mx` and every imported function live too).
+PROMPT_FILE_CLASSES: dict[str, type] = {
+    cls.__name__: cls
     for cls in (
+        mlx_cache.KVCache,
+        mlx_cache.RotatingKVCache,
+        mlx_cache.QuantizedKVCache,
+        mlx_cache.ChunkedKVCache,
+        mlx_cache.ConcatenateKVCache,
+        mlx_cache.ArraysCache,
+        mlx_cache.CacheList,
+        mlx_cache.BatchKVCache,
+        mlx_cache.BatchRotatingKVCache,
         KVQFullCache,
         KVQWindowCache,
         KVQChunkedCache,
@@ -172,5 +193,13 @@ def register_for_prompt_files() -> None:
         KVQIndexerCache,
         KVQBatchIndexerCache,
         KVQLayerCache,
-    ):
-        setattr(mlx_cache, cls.__name__, cls)
+    )
+}
+
+
+def register_for_prompt_files() -> None:
+    """Make our classes resolvable where mlx-lm's `load_prompt_cache` looks
+    them up (`globals()` of `mlx_lm.models.cache`)."""
+    for name, cls in PROMPT_FILE_CLASSES.items():
+        if cls.__module__.startswith("mlx_kvq."):
+            setattr(mlx_cache, name, cls)

@@ -220,3 +220,76 @@ def check_sampling(args: argparse.Namespace) -> None:
         raise ValueError("--top-k must be >= 0")
     if not 0 <= args.min_p <= 1:
         raise ValueError("--min-p must be in [0, 1]")
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_PROMPT_WORKERS = 2
+
+
+def add_http_flags(parser: argparse.ArgumentParser) -> None:
+    """Who may call the server, and how long and how many connections it waits on."""
+    g = parser.add_argument_group("HTTP limits and browser access")
+    g.add_argument(
+        "--allowed-origins",
+        type=_names,
+        default=[],
+        help="browser origins allowed besides the server's own and loopback ones, "
+        "comma-separated, e.g. https://app.example.com; '*' allows any page (default: none)",
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        type=_names,
+        default=None,
+        help="Host header names answered besides loopback ones, comma-separated ('*': any); "
+        "default: loopback names only when bound to loopback, any otherwise",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=_positive(float),
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a connection may take to send a request's headers, idle connections "
+        f"included, before it is closed (default: {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=_positive(float),
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request body may take to arrive after its headers; later gets 408 "
+        f"(default: {DEFAULT_BODY_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--keep-alive-timeout",
+        type=_positive(float),
+        default=5.0,
+        help="seconds an idle keep-alive connection is held between requests (default: 5)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=_positive(int),
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open connections at most; more are answered 503 and closed at once "
+        f"(default: {DEFAULT_MAX_CONNECTIONS})",
+    )
+    g.add_argument(
+        "--prompt-workers",
+        type=_positive(int),
+        default=DEFAULT_PROMPT_WORKERS,
+        help="requests whose prompts are rendered and tokenized at once, off the event "
+        f"loop; others wait their turn (default: {DEFAULT_PROMPT_WORKERS})",
+    )

@@ -87,13 +87,12 @@ def run(args: argparse.Namespace) -> int:
     check_draft_tokens(args)
     source = model_source(args)
     refuse_early(source, cfg)
-    model, tokenizer = load_model(source, args)
-    draft = load(args.draft_model)[0] if args.draft_model else None
-
     cache, meta = None, {}
-    if args.prompt_cache_file:
+    if args.prompt_cache_file:  # read before the weights: a bad file exits 2 at once
         cache, meta = load_prompt_cache(args.prompt_cache_file, return_metadata=True)
         check_prompt_cache_settings(cache, cfg, args.prompt_cache_file)
+    model, tokenizer = load_model(source, args)
+    draft = load(args.draft_model)[0] if args.draft_model else None
     plan = get_plan(model, cfg) if cfg.enabled else None
     print(
         plan.table()

@@ -20,6 +20,7 @@ import uvicorn
 
 from ..engine import Engine
 from ..server.app import create_app
+from ..server.connections import ConnectionLimits, guarded_protocol
 from ..server.lifecycle import Lifecycle
 from ..server.settings import ServerSettings
 
@@ -29,13 +30,15 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def serve_http(engine: Engine, settings: ServerSettings, host: str, port: int, log_level: str,
-               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> int:  # fmt: skip
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+               limits: ConnectionLimits = ConnectionLimits()) -> int:  # fmt: skip
     """Serve `engine` until a signal; 0 after a clean shutdown, 1 if the port never opened."""
     app = create_app(engine, settings)
     engine.start()
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5, http=guarded_protocol(limits),
+        timeout_keep_alive=limits.keep_alive_timeout,
     )  # fmt: skip
     server = DrainingServer(config, engine, app.state.lifecycle, shutdown_timeout)
     try:

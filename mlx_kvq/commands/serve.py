@@ -23,6 +23,7 @@ import threading
 from .flags import (
     add_adapter_flag,
     add_draft_flags,
+    add_http_flags,
     add_kv_flags,
     add_model_flag,
     add_sampling_flags,
@@ -63,12 +64,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
     p.add_argument(
-        "--allowed-origins",
-        type=lambda x: x.split(","),
-        default=["*"],
-        help="CORS allowed origins, comma-separated (default: *)",
-    )
-    p.add_argument(
         "--trust-remote-code", action="store_true", help="allow the tokenizer's custom code"
     )
     p.add_argument(
@@ -88,6 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="JSON object of apply_chat_template arguments, e.g. '{\"enable_thinking\":false}'",
     )
     add_sampling_flags(p, max_tokens=512)
+    add_http_flags(p)
     p.add_argument(
         "--decode-concurrency",
         type=int,
@@ -192,6 +188,24 @@ def check_numbers(args: argparse.Namespace) -> None:
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be >= 0")
     check_template_kwargs(args.chat_template_args, "--chat-template-args")
+    check_api_key(args.api_key or os.environ.get(API_KEY_ENV) or None)
+
+
+def check_api_key(key: str | None) -> None:
+    """Refuse a key no client could send: HTTP header values are latin-1 text
+    without control characters, and the server strips surrounding spaces."""
+    if key is None:
+        return
+    where = f"--api-key (or {API_KEY_ENV})"
+    try:
+        key.encode("latin-1")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{where} holds characters outside latin-1, which an HTTP header cannot carry; "
+            "use ASCII letters, digits and punctuation"
+        ) from None
+    if any(ord(c) < 32 or ord(c) == 127 for c in key) or key != key.strip():
+        raise ValueError(f"{where} holds control characters or surrounding spaces")
 
 
 def engine_options(
@@ -271,6 +285,7 @@ def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> 
 
 def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
     """What the HTTP layer needs besides the engine."""
+    from ..server.guard import GuardPolicy
     from ..server.settings import ServerSettings
 
     return ServerSettings(
@@ -290,7 +305,20 @@ def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
         num_draft_tokens=args.num_draft_tokens,
         max_context=plan.get("max_context"),
         plan=plan,
-        allowed_origins=tuple(args.allowed_origins),
+        guard=GuardPolicy.for_bind(args.host, args.allowed_hosts, args.allowed_origins),
+        body_timeout=args.body_timeout,
+        prompt_workers=args.prompt_workers,
+    )
+
+
+def connection_limits(args: argparse.Namespace):
+    """The connection bounds of the HTTP flags."""
+    from ..server.connections import ConnectionLimits
+
+    return ConnectionLimits(
+        header_timeout=args.header_timeout,
+        max_connections=args.max_connections,
+        keep_alive_timeout=args.keep_alive_timeout,
     )
 
 
@@ -344,7 +372,8 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(model, tokenizer, plan, kv, options, draft=draft)
     log.info("%s", engine.capacity.line)
     settings = server_settings(args, source, plan.to_dict())
-    return serve_http(engine, settings, args.host, args.port, args.log_level, args.shutdown_timeout)
+    return serve_http(engine, settings, args.host, args.port, args.log_level,
+                      args.shutdown_timeout, connection_limits(args))  # fmt: skip
 
 
 def load_draft(args: argparse.Namespace, model, tokenizer, plan, kv):
@@ -463,9 +492,8 @@ def run_ranks(args: argparse.Namespace) -> int:
     hb.on_group_failed = lambda reason: log.error("rank 0 reports: %s", reason)
     if rank == 0:
         settings = server_settings(args, source, group_plan)
-        rc = serve_http(
-            engine, settings, args.host, args.port, args.log_level, args.shutdown_timeout
-        )
+        rc = serve_http(engine, settings, args.host, args.port, args.log_level,
+                        args.shutdown_timeout, connection_limits(args))  # fmt: skip
         leave(hb, rc)
     engine.start()
     engine.join()

@@ -16,7 +16,7 @@ The answer comes back as content blocks in the order the model wrote them
 from the prompt cache, which are `cache_read_input_tokens`), or as
 Anthropic's server-sent events. Every field's treatment is in
 `anthropic_schemas.MESSAGES_FIELDS`; errors leave in Anthropic's shape
-(`errors.anthropic_error_response`).
+(`errors.anthropic_error_body`).
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ from .chat_job import (
     Finished,
     Part,
     PartKind,
-    Prompt,
     Refusal,
     Sampling,
     StopReason,
     Waiting,
 )
 from .errors import anthropic_error_body
+from .prompting import ChatPrompt
 from .request_body import read_model
 from .streams import event_stream
 
@@ -279,10 +279,10 @@ def messages_router(service: ChatService, auth: Callable) -> APIRouter:
     router = APIRouter(dependencies=[Depends(auth)])
     settings = service.settings
 
-    async def read(request: Request, model_cls: type) -> tuple[Any, ChatJob, Prompt]:
+    async def read(request: Request, model_cls: type) -> tuple[Any, ChatJob, ChatPrompt]:
         body = await read_model(request, model_cls, service)
         try:
-            job = to_job(body, service)
+            job = await service.prompts.run(to_job, body, service)
         except Refusal as e:
             raise service.reject(400, str(e), param=e.param) from None
         prompt = await service.render(job)

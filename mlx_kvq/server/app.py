@@ -1,11 +1,14 @@
 """The FastAPI app: the routers of this package over one engine.
 
 HTTP only. `openai.py` answers OpenAI's chat and completions endpoints,
-`anthropic.py` Anthropic's Messages, `responses.py` OpenAI's Responses (the
-last two through `chat_job.py`), `probes.py` the probes and
-metrics, `web.py` the page at `/` and `/status`, `api_doc.py` `/openapi.json`; errors leave in OpenAI's body shape, or Anthropic's on its routes (`errors.py`); `lifecycle.py`
-refuses new requests while the process drains. Starting, stopping and
-signals belong to the process that runs the app (`mlx_kvq.commands`).
+`anthropic.py` Anthropic's Messages, `responses.py` OpenAI's Responses (all
+three through `chat_job.py`), `probes.py` the probes and metrics, `web.py`
+the page at `/` and `/status`, `api_doc.py` `/openapi.json`; errors leave
+in OpenAI's body shape, or Anthropic's on its routes (`errors.py`);
+`guard.py` refuses what a web page must not send (a foreign Host or Origin,
+API bodies that are not JSON); `lifecycle.py` refuses new requests while
+the process drains. Starting, stopping and signals belong to the process
+that runs the app (`mlx_kvq.commands`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,9 +28,11 @@ from .api_doc import openapi_document
 from .auth import api_key_check
 from .chat_job import ChatService
 from .errors import APIError, error_response_for, validation_message
+from .guard import GuardMiddleware
 from .lifecycle import InFlightMiddleware, Lifecycle
 from .openai import openai_router
 from .probes import budget_status, probes_router
+from .prompting import PromptWork
 from .response_store import AgentCounters
 from .responses import responses_router
 from .settings import ServerSettings
@@ -47,13 +51,10 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     app.state.lifecycle = Lifecycle()
     app.state.agent_counters = AgentCounters(settings.response_store_bytes)
+    # one for the app: every endpoint that prepares prompts shares its threads and cap
+    app.state.prompts = PromptWork(engine.tokenizer, settings.max_context, settings.prompt_workers)
     app.add_middleware(InFlightMiddleware, lifecycle=app.state.lifecycle)
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=list(settings.allowed_origins),
-        allow_methods=["*"],
-        allow_headers=["*"],
-    )
+    app.add_middleware(GuardMiddleware, policy=settings.guard)  # outermost: runs first
 
     def respond(request: Request, status: int, message: str, param: str | None = None,
                 code: str | None = None, headers: dict | None = None) -> JSONResponse:  # fmt: skip
@@ -65,6 +66,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
         if e.retry_after is not None:
             headers["Retry-After"] = str(e.retry_after)
+        if e.close:
+            headers["Connection"] = "close"
         return respond(request, e.status, e.message, e.param, e.code, headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -88,7 +91,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         )
     )
     auth = api_key_check(settings.api_key, engine.metrics)
-    service = ChatService(engine, settings)
+    service = ChatService(engine, settings, app.state.prompts)
     app.include_router(openai_router(service, auth))
     app.include_router(messages_router(service, auth))
     app.include_router(responses_router(service, auth, app.state.agent_counters))

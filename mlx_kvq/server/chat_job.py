@@ -30,7 +30,6 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from mlx_kvq.engine import (
-    Checkpoint,
     Engine,
     FinishEvent,
     GenerationRequest,
@@ -41,12 +40,12 @@ from mlx_kvq.engine import (
     Usage,
 )
 from mlx_kvq.engine.processors import json_grammar
-from mlx_kvq.engine.prompts import chat_tokens, template_variables
-from mlx_kvq.engine.segments import chat_checkpoints
+from mlx_kvq.engine.prompts import template_variables
 from mlx_kvq.engine.stops import first_stop
 
 from .chat_output import ChatDelta, ChatOutput, OutputSplitter
 from .errors import APIError
+from .prompting import ChatPrompt, PromptWork
 from .settings import ServerSettings
 from .streams import IDLE, Generation
 from .tools import tools_refusal
@@ -114,14 +113,6 @@ class ChatJob:
     stream: bool = False
     role_mapping: dict[str, str] | None = None  # for tokenizers without a chat template
     draft_tokens: int = 0  # tokens drafted per step (speculative decoding); 0: none
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A rendered job: its token ids, and where the prompt cache keeps copies."""
-
-    tokens: list[int]
-    checkpoints: tuple[Checkpoint, ...] = ()
 
 
 class PartKind(str, Enum):
@@ -330,9 +321,10 @@ def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class ChatService:
     """Renders jobs into prompts and runs them on the app's engine."""
 
-    def __init__(self, engine: Engine, settings: ServerSettings):
+    def __init__(self, engine: Engine, settings: ServerSettings, prompts: PromptWork):
         self.engine = engine
         self.settings = settings
+        self.prompts = prompts  # the app's one PromptWork: its threads and cap
         self.tokenizer = engine.tokenizer
         self.splitter = OutputSplitter(engine.tokenizer)
         self.variables = template_variables(engine.tokenizer)
@@ -347,29 +339,28 @@ class ChatService:
         """Whether the chat template reads `variable` (e.g. enable_thinking)."""
         return variable in self.variables
 
-    async def render(self, job: ChatJob, param: str = "messages") -> Prompt:
+    async def render(self, job: ChatJob, param: str = "messages") -> ChatPrompt:
         """The prompt's token ids and prompt-cache checkpoints, rendered off the
-        event loop; a 400 naming `param` (or `tools`) when it cannot be."""
+        event loop by the app's `PromptWork`; a 400 naming `param` (or `tools`)
+        when it cannot be."""
         if job.tools:
             refusal = tools_refusal(self.splitter.tools, self.variables)
             if refusal is not None:
                 raise self.reject(400, f"tools cannot be honoured: {refusal}", param="tools")
         args = {**self.settings.chat_template_args, **job.template_args}
 
-        def work() -> Prompt:
-            messages = [dict(m) for m in job.messages]
-            if not self.mid_system:
-                messages = fold_system(messages)
-            tokens = chat_tokens(self.tokenizer, messages, args, job.tools, job.role_mapping)
-            checkpoints = chat_checkpoints(self.tokenizer, messages, tokens, args, job.tools)
-            return Prompt(tokens, tuple(checkpoints))
+        def messages() -> list[dict[str, Any]]:
+            copied = [dict(m) for m in job.messages]
+            return copied if self.mid_system else fold_system(copied)
 
         try:
-            prompt = await run_in_threadpool(work)
+            chat = await self.prompts.chat(
+                await self.prompts.run(messages), args, job.tools, job.role_mapping
+            )
         except Exception as e:  # template errors are the request's fault
             raise self.reject(400, f"could not apply the chat template: {e}", param=param) from e
-        self.check_length(prompt.tokens, param)
-        return prompt
+        self.check_length(chat.tokens, param)
+        return chat
 
     def check_length(self, prompt: list[int], param: str) -> None:
         """A 400 for an empty prompt, or one that leaves no room in the context."""
@@ -391,7 +382,7 @@ class ChatService:
         except ValueError as e:
             raise self.reject(400, str(e), param="logit_bias") from None
 
-    async def grammar(self, schema: dict[str, Any] | None, prompt: Prompt, param: str) -> str:
+    async def grammar(self, schema: dict[str, Any] | None, prompt: ChatPrompt, param: str) -> str:
         """The llguidance grammar of a JSON answer (matching `schema` when given), or a 400."""
         if self.splitter.initial_state(prompt.tokens) != "normal":
             raise self.reject(
@@ -409,7 +400,7 @@ class ChatService:
             raise self.reject(400, f"{param} cannot be used: {error}", param=param)
         return grammar
 
-    async def start(self, job: ChatJob, prompt: Prompt) -> Answer:
+    async def start(self, job: ChatJob, prompt: ChatPrompt) -> Answer:
         """Submit the job; a refusal (queue full, KV budget) raises `APIError`."""
         params = self.params(job.sampling)
         request = GenerationRequest(

@@ -12,7 +12,9 @@ _TYPES = {
     403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -31,6 +33,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: int | None = None,
+        close: bool = False,
     ):
         super().__init__(message)
         self.status = status
@@ -38,6 +41,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after  # seconds, sent as Retry-After (429)
+        self.close = close  # the body was not read to its end: close the connection
 
 
 def error_body(

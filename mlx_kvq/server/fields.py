@@ -110,8 +110,9 @@ CHAT = {
     ),
     "chat_template_kwargs": FieldDoc(
         H,
-        "over --chat-template-args (e.g. enable_thinking); keys that change what rendering "
-        "returns 400",
+        "over --chat-template-args (e.g. enable_thinking); plain JSON values only; keys that "
+        "change what rendering returns, chat_template, sandbox globals (range, namespace, ...) "
+        "and names that are not identifiers 400",
     ),
     "role_mapping": FieldDoc(H, "mlx-lm extra, for models without a chat template; 400 with one"),
     "reasoning_effort": FieldDoc(

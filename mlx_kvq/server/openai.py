@@ -25,9 +25,6 @@ from mlx_kvq.engine import (
     PromptProgress,
     TokenEvent,
 )
-from mlx_kvq.engine.prompts import (
-    completion_tokens,
-)
 
 from . import schemas
 from .chat_job import ChatService, Refusal
@@ -84,7 +81,7 @@ def openai_router(service: ChatService, auth: Callable) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, schemas.ChatCompletionRequest)
         try:
-            job = chat_job(body, service, drafting(body))
+            job = await service.prompts.run(chat_job, body, service, drafting(body))
         except Refusal as e:
             raise reject(400, str(e), param=e.param) from None
         prompt = await service.render(job)
@@ -144,7 +141,7 @@ def openai_router(service: ChatService, auth: Callable) -> APIRouter:
             vocab = getattr(engine.tokenizer, "vocab_size", None)
             if vocab and any(t < 0 or t >= vocab for t in prompt_input):
                 raise reject(400, "prompt token ids out of the vocabulary range", param="prompt")
-        prompt = completion_tokens(engine.tokenizer, prompt_input)
+        prompt = await service.prompts.completion(prompt_input)
         service.check_length(prompt, "prompt")
         want_logprobs = body.want_logprobs
         params = service.params(request_sampling(body, want_logprobs, body.top_count))

@@ -438,7 +438,9 @@ def responses_router(service: ChatService, auth: Callable, counters: AgentCounte
                 )  # fmt: skip
             history = [dict(m) for m in previous.messages]
         try:
-            job, namespaces, conversation = to_job(body, history, counters, service)
+            job, namespaces, conversation = await service.prompts.run(
+                to_job, body, history, counters, service
+            )
         except Refusal as e:
             raise service.reject(400, str(e), param=e.param) from None
         prompt = await service.render(job, param="input")

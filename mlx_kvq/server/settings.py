@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .guard import GuardPolicy
+
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_RESPONSE_STORE_BYTES = 64 * 1024 * 1024
 
@@ -29,6 +31,8 @@ class ServerSettings:
     num_draft_tokens: int = 3  # tokens drafted per step by default (--num-draft-tokens)
     max_context: int | None = None
     plan: dict[str, Any] = field(default_factory=dict)  # KVPlan.to_dict(), or the group's
-    allowed_origins: tuple[str, ...] = ("*",)
+    guard: GuardPolicy = field(default_factory=GuardPolicy)  # hosts and origins answered
+    body_timeout: float | None = None  # seconds a request body may take to arrive
+    prompt_workers: int = 2  # requests rendering and tokenizing prompts at once
     response_store_bytes: int = DEFAULT_RESPONSE_STORE_BYTES  # stored /v1/responses, bytes
     created: int = field(default_factory=lambda: int(time.time()))

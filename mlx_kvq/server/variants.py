@@ -34,7 +34,7 @@ def same_path(a: str, b: str) -> bool:
         return True
     try:
         return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-    except (OSError, RuntimeError):
+    except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte in the path
         return False
 
 
