@@ -22,12 +22,14 @@ from mlx_lm import load
 
 from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 from mlx_kvq.engine import (
+    BudgetShare,
     Engine,
     EngineOptions,
     FinishEvent,
     FinishReason,
     GenerationRequest,
     Ledger,
+    LocalCoordinator,
     SamplingParams,
     Shape,
 )
@@ -151,6 +153,34 @@ def test_a_budget_too_small_preempts_and_every_text_is_unchanged(scripted, monke
     assert measured and all(live + pc <= budget and live <= bound for live, bound, pc in measured)
     assert re.search(r"request \d+ preempted after \d+ tokens", caplog.text)
     assert re.search(r"request \d+ resumes after \d+ tokens", caplog.text)
+
+
+class TwoRanks(LocalCoordinator):
+    """A group of two in one process: the other rank holds a third of this one's budget."""
+
+    def agree_budget(self, mine: BudgetShare):
+        return [mine, BudgetShare(mine.budget // 3, mine.cost, mine.unquantized)], 0
+
+
+def test_a_group_admits_and_preempts_by_its_smallest_rank(scripted):
+    """This rank's budget holds all eight whole; the other rank's third does
+    not: the group admits, grows and preempts by it, texts unchanged."""
+    model, tokenizer, plan = scripted
+    prompts = [chat(tokenizer, i) for i in range(N)]
+    p = max(len(x) for x in prompts)
+    budget = holds(plan, N, p, p + len(PIECES) + 2, N, step=8)  # alone: no preemption
+    engine = Engine(model, tokenizer, plan, DEFAULT_KV_CONFIG, EngineOptions(
+        kv_cache_memory=budget, max_context=plan.max_context, prefill_step_size=8,
+        prompt_cache_size=N), coordinator=TwoRanks())  # fmt: skip
+    engine.start()
+    try:
+        assert engine.readiness.ready_event.wait(WAIT_S) and engine.readiness.ready
+        sinks = run(engine, prompts, max_tokens=32_000)
+    finally:
+        engine.stop()
+    assert all(c.text == ANSWER for c in sinks)
+    assert engine.metrics.snapshot().preemptions > 0
+    assert engine.budget.overruns == 0 and engine.budget.bound_misses == 0
 
 
 def test_a_preempted_seeded_request_says_what_it_says_alone(scripted, caplog):
