@@ -125,10 +125,14 @@ def test_a_flood_with_huge_max_tokens_is_admitted_together(scripted, monkeypatch
     assert measured and all(live + pc <= budget and live <= bound for live, bound, pc in measured)
 
 
-def test_a_budget_too_small_preempts_and_every_text_is_unchanged(scripted, monkeypatch, caplog):
+@pytest.mark.parametrize("cache_entries", [N, 0], ids=["kept-in-prompt-cache", "recomputed"])
+def test_a_budget_too_small_preempts_and_every_text_is_unchanged(
+    scripted, monkeypatch, caplog, cache_entries
+):
     """Room for four sessions as they start, fewer whole ones: they are admitted
     by what they hold, the newest are preempted as the older ones grow, and
-    each resumes where it stopped; every answer is the one it says alone."""
+    each resumes where it stopped (from its cache kept in the prompt cache, or
+    recomputing its tokens without one); every answer is the one it says alone."""
     model, tokenizer, plan = scripted
     prompts = [chat(tokenizer, i) for i in range(N)]
     p = max(len(x) for x in prompts)
@@ -138,7 +142,9 @@ def test_a_budget_too_small_preempts_and_every_text_is_unchanged(scripted, monke
     assert whole < 4
     measured = spy_checks(monkeypatch)
     caplog.set_level(logging.INFO, logger="mlx_kvq.engine")
-    engine = start(model, tokenizer, plan, budget, prompt_cache_size=N, prefill_step_size=8)
+    engine = start(
+        model, tokenizer, plan, budget, prompt_cache_size=cache_entries, prefill_step_size=8
+    )
     try:
         sinks = run(engine, prompts, max_tokens=32_000)
     finally:
@@ -152,7 +158,8 @@ def test_a_budget_too_small_preempts_and_every_text_is_unchanged(scripted, monke
     assert engine.budget.overruns == 0 and engine.budget.bound_misses == 0
     assert measured and all(live + pc <= budget and live <= bound for live, bound, pc in measured)
     assert re.search(r"request \d+ preempted after \d+ tokens", caplog.text)
-    assert re.search(r"request \d+ resumes after \d+ tokens", caplog.text)
+    resumed = [int(n) for n in re.findall(r"resumes after \d+ tokens \((\d+) of", caplog.text)]
+    assert resumed and (all(n == 0 for n in resumed) if cache_entries == 0 else max(resumed) > 0)
 
 
 class TwoRanks(LocalCoordinator):
