@@ -14,6 +14,7 @@ from .registry import (
     lookup,
     quantize_cache,
     register_for_prompt_files,
+    report_leaves,
 )
 from .window import KVQBatchWindowCache, KVQWindowCache
 
@@ -39,6 +40,7 @@ __all__ = [
     "cache_report",
     "is_twin",
     "leaves",
+    "report_leaves",
     "lookup",
     "quantize_cache",
     "register_for_prompt_files",
@@ -62,4 +64,4 @@ def cache_report(caches: list) -> list[dict]:
     member; recurrent state reports kind "state" with `quantized` False (it
     is not a KV cache).
     """
-    return [_entry(leaf) for c in caches for leaf in leaves(c)]
+    return [_entry(leaf) for c in caches for leaf in report_leaves(c)]
