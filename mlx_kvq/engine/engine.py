@@ -579,6 +579,8 @@ class Engine:
         if plan.speculate is not None:
             seq = plan.speculate
             self._dequeue(seq.id)
+            self.prompt_cache.touch(seq.tokens)  # it yields before the copy is made
+            self.memory.trim_prompt_cache()
             self._guarded(seq, self._start_speculation)
             self.metrics.count_draft_request(speculative=True)
         for seq in plan.admitted:  # the prompt cache yields to them before their copies are made
