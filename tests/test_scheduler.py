@@ -265,3 +265,22 @@ def test_states_admission_order_and_vllm_preemption(scripted):
     assert list(plan3.exhausted) == [seqs[0]] and seqs[0].status is RequestStatus.FINISHED
     # then the preempted one resumes first, from its tokens so far
     assert plan3.admitted[0] is seqs[2] and seqs[2].status is RequestStatus.PREFILLING
+
+
+def test_a_sequence_the_idle_engine_can_never_resume_is_exhausted(scripted):
+    """Preempted long, it would resume through a prompt chunk that the budget
+    cannot hold even alone: with nothing running to free memory, it ends
+    (with length) instead of waiting forever."""
+    _, _, plan = scripted
+    budget = holds(plan, 1, 50, 50 + DECODE_RESERVE, 1, step=8)
+    share = share_for(plan, budget, prefill_step=8, prompt_rows=8)
+    scheduler = Scheduler(
+        Limits(8, 8), KVMemory(Ledger([Share(budget, share.cost)]), PromptCache(0))
+    )
+    seq = sequence(50)
+    seq.generated = [7] * 5000
+    seq.preemptions = 1
+    scheduler.add(seq)
+    plan1 = scheduler.schedule()
+    assert list(plan1.exhausted) == [seq] and not plan1.admitted
+    assert seq.status is RequestStatus.FINISHED and not scheduler.busy
