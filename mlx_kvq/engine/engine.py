@@ -899,10 +899,6 @@ class Engine:
         )  # fmt: skip
 
     # ------------------------------------------------------- memory and metrics
-    def live_kv_bytes(self) -> int:
-        """KV bytes live sequences hold (batch, lane, draft model), measured."""
-        return self.runner.live_bytes()
-
     def _agree_budget(self) -> None:
         """Every rank's share of the budget (this process's alone, unless in a
         group), and the capacity line."""

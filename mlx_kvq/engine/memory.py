@@ -46,7 +46,7 @@ class Need:
 class Memory(Protocol):
     """What the scheduler asks of the memory accounting."""
 
-    def admit(self, need: Need, lane: bool = False) -> bool:
+    def admit(self, need: Need) -> bool:
         """Book a new (or resumed) sequence's prompt and decode reserve if it fits."""
 
     def grow(self, need: Need) -> bool:
@@ -99,7 +99,7 @@ class KVMemory:
     def _first_total(self, need: Need) -> int:
         return max(need.prompt + need.step, min(need.limit, need.prompt + self.reserve))
 
-    def admit(self, need: Need, lane: bool = False) -> bool:
+    def admit(self, need: Need) -> bool:
         if self.ledger is None:
             return True
         shape, extra = self._shape(need, self._first_total(need))

@@ -238,12 +238,7 @@ class Scheduler:
         while self.waiting:
             seq = self.waiting[0]
             idle = not self.running and len(self.waiting) == 1
-            if (
-                self.lane
-                and seq.speculative
-                and idle
-                and self.memory.admit(seq.need(lane=True), lane=True)
-            ):
+            if self.lane and seq.speculative and idle and self.memory.admit(seq.need(lane=True)):
                 self._start(self.waiting.popleft(), lane=True)
                 speculate = seq
                 continue
