@@ -37,6 +37,26 @@ def batch_caches(generator: BatchGenerator) -> list[Any]:
     )
 
 
+def pending_token(generator: BatchGenerator, uid: int) -> tuple[int, mx.array] | None:
+    """The token the batch has already sampled for `uid`'s next step, with its
+    log-probabilities (None when `uid` is not decoding).
+
+    mlx-lm 0.32.2's `GenerationBatch` samples one step ahead (`_next_tokens`,
+    `_next_logprobs`): the sampler has drawn it, the cache does not hold it
+    yet. A sequence taken out of the batch and resumed later emits it and
+    feeds it as its last prompt token, so its sampler's key chain and its
+    logits processors go on exactly where they stopped.
+    """
+    batch = generator._generation_batch
+    if uid not in batch.uids or batch._next_tokens is None:
+        return None
+    i = batch.uids.index(uid)
+    token = batch._next_tokens[i]
+    logprobs = batch._next_logprobs[i]
+    mx.eval(token, logprobs)
+    return int(token.item()), logprobs
+
+
 def model_classes(config: dict[str, Any]) -> tuple[type, type]:
     """(Model class, ModelArgs class) for a config, as `mlx_lm.load` picks them
     (mlx-lm 0.32.2: `mlx_lm.utils._get_classes`)."""

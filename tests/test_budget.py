@@ -20,6 +20,7 @@ import time
 
 import mlx.core as mx
 import pytest
+from kvq_testing.events import Collector
 from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
 
@@ -32,6 +33,7 @@ from mlx_kvq.engine import (
     EngineOptions,
     ErrorEvent,
     FinishEvent,
+    FinishReason,
     GenerationRequest,
     Ledger,
     LocalCoordinator,
@@ -146,7 +148,7 @@ def test_sequences_is_the_largest_count_that_fits():
         assert cost.bound([shape] * n) <= budget < cost.bound([shape] * (n + 1))
 
 
-def test_ledger_admits_releases_and_explains():
+def test_ledger_admits_grows_releases_and_explains():
     cost = _cost()
     shape = Shape(20, 100)
     one = cost.bound([shape])
@@ -159,15 +161,27 @@ def test_ledger_admits_releases_and_explains():
     assert not ledger.fits(shape)
     ledger.settle()
     assert ledger.fits(shape)
+    # a row in its prompt is charged a prompt row (chunk padding); decoding, it holds less
+    alone = Ledger([Share(10 * one, cost)])
+    alone.reserve(1, Shape(90, 100))
+    held = alone.reserved()
+    alone.prompt_done(1)
+    assert alone.reserved() == cost.bound([Shape(90, 100)], []) < held
+    ledger.prompt_done(2)
+    # growth is taken while it fits, refused (and nothing changed) when it does not
+    assert ledger.grow(2, 150) and ledger.shapes[2] == Shape(20, 150)
+    assert not ledger.grow(2, 10_000) and ledger.shapes[2] == Shape(20, 150)
     verdict = ledger.verdict(Shape(20, 2000))
     assert not verdict.fits_alone and verdict.needs == cost.bound([Shape(20, 2000)])
-    fit = Shape(20, 20 + verdict.max_tokens_fit)
-    assert cost.bound([fit]) <= ledger.budget < cost.bound([Shape(20, fit.total + 1)])
-    # a group admits only what every rank holds
+    assert ledger.longest_prompt(10_000) == max(
+        n for n in range(1, 3000) if cost.bound([Shape(n, n + 1)]) <= ledger.budget
+    )
+    # a group admits and grows only what every rank holds
     small = Share(one, cost)
     group = Ledger([Share(10 * one, cost), small])
     group.reserve(1, shape)
     assert not group.fits(shape) and not group.verdict(Shape(20, 2000)).fits_alone
+    assert not group.grow(1, 150)
 
 
 def test_default_budget_from_the_machine():
@@ -257,7 +271,7 @@ def test_live_bytes_are_the_cache_report(loaded, monkeypatch):
     engines = []
 
     def spy(self, live, prompt_cache):
-        caches = batch_caches(engines[0]._bg)
+        caches = batch_caches(engines[0].runner.generator)
         pairs.append((live, sum(int(r["nbytes"]) for r in cache_report(caches))))
         return check(self, live, prompt_cache)
 
@@ -293,19 +307,54 @@ def test_default_setting_runs_3x_the_sequences_of_unquantized(loaded):
     assert at_once["default"] >= 3 * at_once["unquantized"]
 
 
-def test_request_that_never_fits_is_refused_at_once(loaded):
+def test_only_a_prompt_that_never_fits_is_refused_at_once(loaded):
+    """max_tokens reserves nothing: a prompt that cannot fit even alone gets a
+    400 at once, a short prompt with a huge max_tokens is served."""
     model, tokenizer = loaded
     engine = _engine(model, tokenizer, DEFAULT_KV_CONFIG, 400_000, max_queued_requests=2)
     try:
+        longest = engine.budget.longest_prompt(4096, 32)
         sink = Sink()
-        engine.submit(GenerationRequest(list(range(1, 50)), SamplingParams(max_tokens=3000)), sink)
+        engine.submit(
+            GenerationRequest(list(range(1, longest + 40)), SamplingParams(max_tokens=3)), sink
+        )
         assert sink.done.is_set()  # answered inside submit(), not after a step
         assert isinstance(sink.end, ErrorEvent) and sink.end.status == 400
         assert "KV budget of 390.6 KiB" in sink.end.message
-        assert "lower max_tokens to" in sink.end.message
+        assert f"shorten the prompt to {longest:,} tokens" in sink.end.message
         assert engine.metrics.snapshot().rejections == {"kv_budget": 1}
+        served = Collector()
+        request = GenerationRequest(list(range(1, longest)), SamplingParams(max_tokens=32_000))
+        engine.submit(request, served)
+        assert served.first_token.wait(WAIT_S)  # admitted and decoding
+        engine.cancel(request.id)
+        assert not [e for e in served.events if isinstance(e, ErrorEvent)]
+        assert f"prompts of up to {engine.budget.longest_prompt(4096):,} tokens fit" in (
+            engine.capacity.line
+        )
     finally:
         engine.stop()
+
+
+def test_one_long_sequence_under_a_small_budget_ends_with_length(loaded):
+    """It grows while the budget holds it alone, then ends with length, never
+    holding more than the budget."""
+    model, tokenizer = loaded
+    budget = 150_000
+    engine = _engine(model, tokenizer, DEFAULT_KV_CONFIG, budget)
+    try:
+        cost = engine.budget.share.cost
+        most = max(n for n in range(1, 2000) if cost.bound([Shape(20, n)], []) <= budget)
+        no_eos = tuple((t, -1e9) for t in tokenizer.eos_token_ids)  # it never stops by itself
+        served = Sink()
+        params = SamplingParams(max_tokens=32_000, logit_bias=no_eos)
+        engine.submit(GenerationRequest(list(range(1, 21)), params), served)
+        assert served.done.wait(WAIT_S)
+    finally:
+        engine.stop()
+    assert isinstance(served.end, FinishEvent) and served.end.reason == FinishReason.LENGTH
+    assert most - 40 <= 20 + served.tokens <= most + 1
+    assert engine.budget.overruns == 0 and 0 < engine.budget.peak_held <= budget
 
 
 class TwoRanks(LocalCoordinator):
@@ -331,7 +380,16 @@ def test_a_group_admits_what_every_rank_holds(loaded):
         requests = [([1 + (i * 5 + j) % 300 for j in range(60)], 60) for i in range(8)]
         sinks = _flood(engine, requests)
         assert all(isinstance(s.end, FinishEvent) for s in sinks)
-        assert engine.metrics.snapshot().max_batch_size <= cost.sequences(budget // 2, shape)
+        # they hold what they have, not prompt + max_tokens: the half-budget
+        # rank limits how many decode at once
+        at_once = engine.metrics.snapshot().max_batch_size
+
+        def decoding(rank_budget: int) -> int:  # rows of 61 tokens, none in its prompt
+            return max(
+                n for n in range(1, 64) if cost.bound([Shape(60, 61)] * n, []) <= rank_budget
+            )
+
+        assert 2 <= at_once <= decoding(budget // 2) < decoding(budget)
         # the prompt cache is charged by its entries' bound on each rank
         charged = sum(cost.entry_bytes(n) for n in engine.prompt_cache.token_counts())
         assert 0 < charged <= budget // 2
@@ -409,3 +467,23 @@ def test_kv_cache_memory_sizes():
     assert {text: parse_size(text) for text in sizes} == sizes
     with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
         parse_size("2 parsecs")
+
+
+def test_the_server_starts_with_a_budget_that_holds_one_useful_prompt(loaded):
+    """--max-tokens reserves nothing: a budget far below one default request's
+    worst case starts, one that cannot hold a 256-token prompt is refused."""
+    from mlx_kvq.commands.serve import USEFUL_PROMPT, kv_cache_memory
+    from mlx_kvq.engine.memory import DECODE_RESERVE
+
+    model, _ = loaded
+    plan = plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
+    cost = share_for(plan, 1, prefill_step=2048, prompt_rows=8).cost
+    need = cost.bound([Shape(USEFUL_PROMPT, USEFUL_PROMPT + DECODE_RESERVE)])
+    args = argparse.Namespace(
+        kv_cache_memory=need, max_tokens=100_000, prefill_step_size=2048, prompt_concurrency=8
+    )
+    assert need < cost.bound([Shape(1, 4096)])  # one worst case of --max-tokens (the context)
+    assert kv_cache_memory(args, model, plan) == need
+    args.kv_cache_memory = need - 1
+    with pytest.raises(ValueError, match=f"cannot hold one prompt of {USEFUL_PROMPT} tokens"):
+        kv_cache_memory(args, model, plan)

@@ -111,7 +111,7 @@ def test_another_request_moves_the_speculative_sequence_into_the_batch(engine, m
     tokenizer = models[1]
     first = submit(engine, prompt(tokenizer, "The clock."), max_tokens=200)
     wait_until(lambda: len(first.tokens) >= 8, "speculative decoding to start")
-    assert engine._lane.busy
+    assert engine.runner.lane.busy
     others = [submit(engine, prompt(tokenizer, f"{FILLER} story {i}")) for i in range(2)]
     seeded = submit(engine, prompt(tokenizer), temperature=0.0, seed=7)
     for c in [first, *others, seeded]:
@@ -124,7 +124,7 @@ def test_another_request_moves_the_speculative_sequence_into_the_batch(engine, m
     # the others started in the batch (the engine was busy; the seeded one never speculates)
     assert s.draft_requests == {"speculative": 1, "batch": 3}
     assert s.draft_requests_moved == 1
-    assert not engine._lane.busy
+    assert not engine.runner.lane.busy
 
 
 def test_a_request_with_logits_processors_is_decoded_in_the_batch(engine, models):
@@ -149,7 +149,7 @@ def test_a_sequence_still_prefilling_moves_too(models):
         assert eng.readiness.ready_event.wait(WAIT_S) and eng.readiness.ready
         tokens = prompt(tokenizer, FILLER * 10 + " Tell the story.")
         first = submit(eng, tokens)
-        wait_until(lambda: eng._lane.busy, "speculative decoding to start")
+        wait_until(lambda: eng.runner.lane.busy, "speculative decoding to start")
         second = submit(eng, prompt(tokenizer), draft=0)
         for c in (first, second):
             c.wait()
@@ -166,7 +166,7 @@ def test_cancel_frees_the_lane_and_the_next_turn_reuses_the_lane_answer(engine, 
     doomed = submit(engine, prompt(tokenizer, "The clock."), max_tokens=300)
     wait_until(lambda: doomed.first_token.is_set(), "the first token")
     engine.cancel(doomed.request_id)
-    wait_until(lambda: not engine._lane.busy, "the lane to be freed")
+    wait_until(lambda: not engine.runner.lane.busy, "the lane to be freed")
 
     first = submit(engine, tokens).wait()
     history = [
@@ -241,11 +241,11 @@ def test_a_failed_move_fails_the_lane_request_alone(models, monkeypatch):
         def broken(*args, **kw):
             raise RuntimeError("the move failed")
 
-        monkeypatch.setattr(eng._lane, "take", broken)
+        monkeypatch.setattr(eng.runner.lane, "take", broken)
         other = submit(eng, prompt(tokenizer, f"{FILLER} story 1"), draft=0)
         assert isinstance(other.wait().end, FinishEvent), other.end
         assert other.text == ANSWER
         assert isinstance(first.wait().end, ErrorEvent) and "the move failed" in first.end.message
-        assert not eng._lane.busy and not eng.budget.shapes and not eng.budget.extras
+        assert not eng.runner.lane.busy and not eng.budget.shapes and not eng.budget.extras
     finally:
         eng.stop()

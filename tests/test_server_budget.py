@@ -1,11 +1,12 @@
 """A server under a small KV budget, flooded with more long requests than fit.
 
 The requests arrive while the warm-up is held back, so the queue is full
-and its depth known: one more gets 429 with Retry-After, one that could
-never fit gets 400 at once naming the budget and what it needs, and once
-the engine runs every queued request is served, never more of them at once
-than the budget holds, with the bytes held (live sequences and prompt cache)
-never above the budget after any step (counted inside the engine).
+and its depth known: one more gets 429 with Retry-After, one whose prompt
+could never fit gets 400 at once naming the budget and what it needs, and
+once the engine runs every queued request is served, never more of them at
+once than the budget holds as they are (preempting when they grow past it),
+with the bytes held (live sequences and prompt cache) never above the budget
+after any step (counted inside the engine).
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ def test_flood_under_a_small_budget(model_dir, tmp_path):
     model, _ = load(str(model_dir))
     plan = plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
     cost = share_for(plan, BUDGET, prefill_step=2048, prompt_rows=8).cost
-    fits = cost.sequences(BUDGET, Shape(PROMPT, PROMPT + MAX_TOKENS))
-    assert 2 <= fits < QUEUE
+    worst = cost.sequences(BUDGET, Shape(PROMPT, PROMPT + MAX_TOKENS))
+    # what the budget holds as the sequences are when they start decoding
+    fits = max(n for n in range(1, 64) if cost.bound([Shape(PROMPT, PROMPT + 1)] * n, []) <= BUDGET)
+    assert 2 <= worst < QUEUE and worst < fits
 
     gate = tmp_path / "gate"
     args = ("--kv-cache-memory", str(BUDGET), "--max-queued-requests", str(QUEUE),
@@ -89,12 +92,13 @@ def test_flood_under_a_small_budget(model_dir, tmp_path):
         assert "--max-queued-requests" in full.json()["error"]["message"]
 
         t0 = time.monotonic()
-        huge = completion(server, list(range(1, PROMPT + 1)), 4000)
+        huge = completion(server, [1 + j % 300 for j in range(1000)], 10)
         assert huge.status_code == 400, huge.text
         assert time.monotonic() - t0 < 30  # answered while the queue waits
         error = huge.json()["error"]
         assert error["code"] == "kv_budget_exceeded"
-        for words in ("needs up to", "KV budget of 390.6 KiB", "--kv-cache-memory", "max_tokens"):
+        for words in ("prompt needs", "KV budget of 390.6 KiB", "--kv-cache-memory",
+                      "shorten the prompt"):  # fmt: skip
             assert words in error["message"], error["message"]
 
         def budget_status():
@@ -132,6 +136,8 @@ def test_flood_under_a_small_budget(model_dir, tmp_path):
         assert 2 <= m["mlx_kvq_batch_size_max"] <= fits
         assert m["mlx_kvq_kv_bytes_reserved"] == 0 and m["mlx_kvq_kv_bytes_live"] == 0
         assert m["mlx_kvq_kv_sequences_admitted"] == 0
+        assert m["mlx_kvq_preempted"] == 0
+        assert 0 <= m["mlx_kvq_resumptions_total"] <= m["mlx_kvq_preemptions_total"]
 
         health = server.health().json()["kv_budget"]
         assert health["budget"] == BUDGET and health["tokens"] == 4096  # the model's context

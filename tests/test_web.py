@@ -247,7 +247,9 @@ def test_status_is_open_and_describes_plan_and_engine(server):
     budget = body["budget"]  # the default KV budget, derived from this machine
     assert set(budget) == {
         "bytes", "reserved", "live", "prompt_cache", "admitted", "waiting", "capacity",
+        "preempted", "preemptions", "resumptions",
     }  # fmt: skip
+    assert budget["preempted"] == budget["preemptions"] == budget["resumptions"] == 0
     assert budget["bytes"] > 0 and budget["reserved"] == budget["live"] == 0
     assert budget["admitted"] == budget["waiting"] == 0
     assert budget["capacity"].startswith("KV budget ")
@@ -492,7 +494,8 @@ def test_page_shows_reasoning_tool_calls_budget_and_unquantized_slots(server, br
     the budget object, a slot left unquantized, and a failed engine."""
     open_page(browser, server, key=API_KEY)
     budget = {"bytes": 64 << 20, "reserved": 24 << 20, "live": 8 << 20,
-              "prompt_cache": 4 << 20, "admitted": 3, "waiting": 5,
+              "prompt_cache": 4 << 20, "admitted": 3, "waiting": 5, "preempted": 2,
+              "preemptions": 7, "resumptions": 5,
               "capacity": "KV budget 64 MiB: 9 sequences of 2,048 tokens"}  # fmt: skip
     slot0 = {"quantized": False, "key_bits": None, "value_bits": None, "rotation": "none"}
     call = {
@@ -528,6 +531,7 @@ def test_page_shows_reasoning_tool_calls_budget_and_unquantized_slots(server, br
     wait(browser, lambda d: text(d, "budget-bytes") == "64.0 MiB", "the stubbed budget")
     assert text(browser, "budget-use") == "8.00 MiB / 24.0 MiB"
     assert text(browser, "budget-sequences") == "3 admitted, 5 waiting"
+    assert text(browser, "budget-preemptions") == "7 times, 5 resumed, 2 waiting to resume"
     assert text(browser, "budget-capacity") == budget["capacity"]
     row = browser.find_element("css selector", "#plan-table tbody tr[data-slot='0']")
     wait(browser, lambda d: "unquantized" in row.get_attribute("class"), "slot 0 marked")

@@ -48,6 +48,7 @@ log = logging.getLogger("mlx_kvq.server")
 API_KEY_ENV = "MLX_KVQ_API_KEY"
 DEFAULT_STEP_TIMEOUT_S = 300.0
 DEFAULT_MAX_QUEUED = 256
+USEFUL_PROMPT = 256  # the shortest prompt a budget must hold alone for the server to start
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -248,8 +249,9 @@ def engine_options(
 def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> int:
     """The KV budget: `--kv-cache-memory`, or the machine's default (less the
     weights of the model and of `draft_model`), logged with how it was
-    derived. Refused (exit 2) when it cannot hold one sequence of a 1-token
-    prompt and `--max-tokens`: every request would be refused."""
+    derived. Refused (exit 2) when it cannot hold one prompt of a useful size
+    (`USEFUL_PROMPT` tokens, or the model's context when shorter) alone:
+    `--max-tokens` reserves nothing, sequences take memory as they grow."""
     from ..engine.budget import (
         Ledger,
         Shape,
@@ -259,6 +261,7 @@ def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> 
         share_for,
         weights_bytes,
     )
+    from ..engine.memory import DECODE_RESERVE
 
     if args.kv_cache_memory is not None:
         budget, how = args.kv_cache_memory, "--kv-cache-memory"
@@ -270,15 +273,15 @@ def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> 
     share = share_for(
         plan, budget, prefill_step=args.prefill_step_size, prompt_rows=args.prompt_concurrency
     )
-    max_tokens = args.max_tokens
+    prompt = USEFUL_PROMPT
     if plan.max_context is not None:
-        max_tokens = max(1, min(max_tokens, plan.max_context - 1))
-    verdict = Ledger([share]).verdict(Shape(1, 1 + max_tokens))
+        prompt = max(1, min(prompt, plan.max_context - DECODE_RESERVE))
+    verdict = Ledger([share]).verdict(Shape(prompt, prompt + DECODE_RESERVE))
     if not verdict.fits_alone:
         raise ValueError(
-            f"the KV budget of {format_bytes(budget)} ({how}) cannot hold one sequence of "
-            f"{1 + max_tokens} tokens (a 1-token prompt and --max-tokens {max_tokens}), which "
-            f"needs {format_bytes(verdict.needs)}: raise --kv-cache-memory or lower --max-tokens"
+            f"the KV budget of {format_bytes(budget)} ({how}) cannot hold one prompt of "
+            f"{prompt} tokens and a decode reserve of {DECODE_RESERVE}, which needs "
+            f"{format_bytes(verdict.needs)}: raise --kv-cache-memory"
         )
     return budget
 

@@ -1,17 +1,18 @@
-"""The KV memory budget: admission by bytes, never by a guess.
+"""The KV memory budget's prices and bounds: what a batch of sequences holds.
 
-A request is admitted when the most its sequence can make the batch hold
-fits in what the budget has left; the prompt cache yields first. "The most"
-is an upper bound computed from the plan (`CostModel`), and it has to know
-how mlx-lm's `BatchGenerator` lays sequences out, because a batch is not a
-sum of independent caches:
+A request is admitted when what its sequence holds (its prompt and a small
+decode reserve) fits beside what the admitted sequences hold now; sequences
+grow as they decode (`memory.py`, `scheduler.py`). What a set of sequences
+holds is an upper bound computed from the plan (`CostModel`), and it has to
+know how mlx-lm's `BatchGenerator` lays sequences out, because a batch is
+not a sum of independent caches:
 
 - Rows are left-padded to a common length. A decoding batch (the
   generation batch) is as long as its longest sequence: full-attention
   layers hold `rows x (longest content + 255)` slots (the caches grow in
   256-token steps, `KVQCache.step`, and filtering a batch cuts the padding
-  no row needs). A sequence's content is at most its prompt plus
-  `max_tokens`.
+  no row needs). A sequence's content is at most the total its shape
+  allows (its tokens so far and its decode reserve).
 - Sliding-window layers hold at most `window` slots per row while decoding
   (a batch window is not cut back when long rows leave, so the bound is the
   window, not the longest row).
@@ -21,14 +22,15 @@ sum of independent caches:
   `window - 1 + chunk` slots (the chunk's keys must all be visible to its
   queries, as in mlx-lm's rotating cache), and full layers can carry up to
   one chunk of extra padding (rows that finish their prompt in a shorter
-  last chunk) until they move to the generation batch.
+  last chunk) until they move to the generation batch. Only rows in their
+  prompt are charged for it.
 - Before `--quantized-kv-start` tokens the caches are raw (the model's
   dtype), after it quantized: both are bounded.
 
-`CostModel.bound(shapes)` is the bound for a set of admitted sequences,
-`Ledger` keeps the admitted set of each rank and decides admission, and the
-engine measures what the caches really hold after every step (`Ledger.check`)
-against both the budget and the bound.
+`CostModel.bound(shapes, prompting)` is the bound for a set of sequences,
+`Ledger` keeps the admitted shapes of each rank and decides admission and
+growth, and the engine measures what the caches really hold after every
+step (`Ledger.check`) against both the budget and the bound.
 """
 
 from __future__ import annotations
@@ -45,11 +47,12 @@ GROWTH = 256  # caches grow their buffers in steps of this many tokens (KVQCache
 CPU_RAM_SHARE = 0.5  # default budget without Metal: this share of RAM, less the weights
 METAL_SHARE = 0.9  # with Metal: this share of the recommended working set, less the weights
 CAPACITY_TOKENS = 8192  # the capacity line counts sequences of this many tokens (or the context)
+LONGEST_PROBE = 1 << 20  # the longest sequence the capacity line looks for, without a context
 
 
 @dataclass(frozen=True)
 class Shape:
-    """What one request can make its sequence hold: prompt and prompt + max_tokens."""
+    """What one sequence may hold: its prompt, and the tokens it may reach (its total)."""
 
     prompt: int
     total: int
@@ -125,16 +128,21 @@ class CostModel:
         prompting = self._shape_bytes(longest_prompt + chunk + GROWTH - 1, chunk)
         return decoding, prompting
 
-    def bound(self, shapes: Iterable[Shape]) -> int:
-        """The most a batch of these sequences holds at any step boundary."""
+    def bound(self, shapes: Iterable[Shape], prompting: Iterable[Shape] | None = None) -> int:
+        """The most a batch of these sequences holds at any step boundary, the
+        rows of `prompting` (default: any of them) in their prompt."""
         shapes = list(shapes)
         if not shapes:
             return 0
         n = len(shapes)
-        decoding, prompting = self.row_bounds(
-            max(s.total for s in shapes), max(s.prompt for s in shapes)
-        )
-        return n * decoding + min(n, self.prompt_rows) * max(0, prompting - decoding)
+        longest = max(s.total for s in shapes)
+        prompting = shapes if prompting is None else list(prompting)
+        decoding, _ = self.row_bounds(longest, 1)
+        if not prompting:
+            return n * decoding
+        _, in_prompt = self.row_bounds(longest, max(s.prompt for s in prompting))
+        rows = min(len(prompting), n, self.prompt_rows)
+        return n * decoding + rows * max(0, in_prompt - decoding)
 
     def entry_bytes(self, tokens: int) -> int:
         """The most a prompt-cache entry covering `tokens` tokens holds (extracted
@@ -228,6 +236,7 @@ class Capacity:
     sequences_unquantized: int | None
     setting: str
     ranks: int = 1
+    longest: int | None = None  # the longest prompt one sequence holds alone (None: not computed)
 
     @property
     def line(self) -> str:
@@ -238,6 +247,8 @@ class Capacity:
         )
         if self.sequences_unquantized is not None and self.setting != "unquantized":
             text += f", {self.sequences_unquantized:,} unquantized"
+        if self.longest is not None:
+            text += f"; prompts of up to {self.longest:,} tokens fit"
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -254,27 +265,29 @@ def format_bytes(n: float) -> str:
 
 @dataclass(frozen=True)
 class Verdict:
-    """Whether a request can ever run, and why not."""
+    """Whether a request's prompt can ever run, and why not."""
 
     fits_alone: bool
-    needs: int  # bytes its sequence alone can hold (on the rank that fits it worst)
+    needs: int  # bytes its prompt and decode reserve alone hold (on the rank that fits it worst)
     budget: int  # that rank's budget
-    max_tokens_fit: int  # the largest max_tokens that would fit with this prompt (0: none)
 
 
 @dataclass
 class Ledger:
-    """The admitted sequences of the group (one share per rank; one for a single
-    process) and the bytes they reserve; only the engine thread changes it.
+    """What the group's sequences hold (one share per rank; one for a single
+    process): each admitted sequence's shape, its prompt and the tokens it
+    may reach before it next grows; only the engine thread changes it.
 
-    Every rank keeps the same ledger (the same requests are admitted in the
-    same order everywhere), so a group admits a request only when every rank
-    can hold it, and every rank decides it alike.
+    Every rank keeps the same ledger (the same requests are admitted, grown
+    and preempted in the same order everywhere), so a group admits or grows
+    a sequence only when every rank can hold it, and every rank decides it
+    alike.
     """
 
     shares: list[Share]
     me: int = 0  # this process's rank
     shapes: dict[int, Shape] = field(default_factory=dict)  # by request id
+    prompting: set[int] = field(default_factory=set)  # ids whose prompt is being processed
     leaving: dict[int, Shape] = field(default_factory=dict)  # released after the next step
     extras: dict[int, int] = field(default_factory=dict)  # bytes beyond the shape, by request
     peak_held: int = 0
@@ -290,20 +303,36 @@ class Ledger:
     def budget(self) -> int:
         return self.share.budget
 
-    def _all_shapes(self, extra: Shape | None = None) -> list[Shape]:
-        shapes = list(self.shapes.values()) + list(self.leaving.values())
-        return shapes + ([extra] if extra is not None else [])
+    def _bound(
+        self,
+        share: Share,
+        swap: tuple[int, Shape] | None = None,
+        new: Shape | None = None,
+        extra: int = 0,
+    ) -> int:
+        """`share`'s bound of the ledger's rows, with one shape replaced
+        (`swap`) or a new prompting row (`new`) and `extra` bytes added."""
+        shapes = dict(self.shapes)
+        if swap is not None:
+            shapes[swap[0]] = swap[1]
+        rows = list(shapes.values()) + list(self.leaving.values())
+        prompting = [shapes[i] for i in self.prompting if i in shapes]
+        prompting += list(self.leaving.values())
+        if new is not None:
+            rows.append(new)
+            prompting.append(new)
+        return share.cost.bound(rows, prompting) + sum(self.extras.values()) + extra
 
-    def reserved(self, rank: int | None = None, extra: Shape | None = None) -> int:
-        """Bytes the admitted sequences (and `extra`) can hold on `rank` (default: this one)."""
-        share = self.shares[self.me if rank is None else rank]
-        return share.cost.bound(self._all_shapes(extra)) + sum(self.extras.values())
+    def reserved(self, rank: int | None = None) -> int:
+        """Bytes the admitted sequences can hold on `rank` (default: this one)
+        before any of them grows again."""
+        return self._bound(self.shares[self.me if rank is None else rank])
 
     def fits(self, shape: Shape, extra_bytes: int = 0) -> bool:
-        """Whether admitting `shape` (and `extra_bytes` more) now keeps every
-        rank within its budget, the prompt cache yielding all it holds if need be."""
-        more = sum(self.extras.values()) + extra_bytes
-        return all(s.cost.bound(self._all_shapes(shape)) + more <= s.budget for s in self.shares)
+        """Whether admitting `shape` (in its prompt, with `extra_bytes` more) now
+        keeps every rank within its budget, the prompt cache yielding all it
+        holds if need be."""
+        return all(self._bound(s, new=shape, extra=extra_bytes) <= s.budget for s in self.shares)
 
     def verdict(self, shape: Shape) -> Verdict:
         """Whether `shape` fits even alone, on every rank."""
@@ -312,26 +341,33 @@ class Ledger:
             b = s.cost.bound([shape])
             if b / max(s.budget, 1) > worst:
                 worst, needs, budget = b / max(s.budget, 1), b, s.budget
-        fits = worst <= 1.0
-        best = 0
-        if not fits:
-            lo, hi = 0, shape.total - shape.prompt
-            while lo < hi:  # the largest max_tokens that fits
-                mid = (lo + hi + 1) // 2
-                trial = Shape(shape.prompt, shape.prompt + mid)
-                if all(s.cost.bound([trial]) <= s.budget for s in self.shares):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            best = lo
-        return Verdict(fits, needs, budget, best)
+        return Verdict(worst <= 1.0, needs, budget)
 
     def reserve(self, request_id: int, shape: Shape, extra_bytes: int = 0) -> None:
-        """Admit a request: its sequence's shape, and `extra_bytes` it holds
+        """Admit a request in its prompt: its shape, and `extra_bytes` it holds
         besides (a draft model's caches)."""
         self.shapes[request_id] = shape
+        self.prompting.add(request_id)
         if extra_bytes:
             self.extras[request_id] = extra_bytes
+
+    def grow(self, request_id: int, total: int, extra_bytes: int | None = None) -> bool:
+        """Let an admitted sequence reach `total` tokens (and hold `extra_bytes`
+        besides, when given) if every rank still fits; False otherwise."""
+        shape = Shape(self.shapes[request_id].prompt, total)
+        more = 0 if extra_bytes is None else extra_bytes - self.extras.get(request_id, 0)
+        if not all(
+            self._bound(s, swap=(request_id, shape), extra=more) <= s.budget for s in self.shares
+        ):
+            return False
+        self.shapes[request_id] = shape
+        if extra_bytes is not None:
+            self.extras[request_id] = extra_bytes
+        return True
+
+    def prompt_done(self, request_id: int) -> None:
+        """The sequence's prompt is processed: it decodes in the generation batch."""
+        self.prompting.discard(request_id)
 
     def drop_extra(self, request_id: int) -> None:
         self.extras.pop(request_id, None)
@@ -341,6 +377,7 @@ class Ledger:
         has taken its rows out of the batch's buffers."""
         shape = self.shapes.pop(request_id, None)
         self.extras.pop(request_id, None)
+        self.prompting.discard(request_id)
         if shape is not None and after_step:
             self.leaving[request_id] = shape
 
@@ -350,11 +387,12 @@ class Ledger:
 
     def clear(self) -> None:
         self.shapes.clear()
+        self.prompting.clear()
         self.leaving.clear()
         self.extras.clear()
 
     def room(self, rank: int | None = None) -> int:
-        """Bytes the prompt cache may hold on `rank` next to the reservations."""
+        """Bytes the prompt cache may hold on `rank` next to what the sequences hold."""
         share = self.shares[self.me if rank is None else rank]
         return max(0, share.budget - self.reserved(rank))
 
@@ -373,9 +411,10 @@ class Ledger:
             ok = False
         return ok
 
-    def capacity(self, tokens: int) -> Capacity:
+    def capacity(self, tokens: int, context: int | None = None) -> Capacity:
         """How many sequences of `tokens` tokens the group holds at once, however
-        they split into prompt and completion."""
+        they split into prompt and completion, and the longest prompt it holds
+        (up to `context`)."""
         shape = Shape(max(1, tokens - 1), tokens)
         n = min(s.cost.sequences(s.budget, shape) for s in self.shares)
         unq = [s.unquantized for s in self.shares]
@@ -384,7 +423,28 @@ class Ledger:
             if all(u is not None for u in unq)
             else None
         )
-        return Capacity(self.budget, tokens, n, n0, self.share.cost.setting, len(self.shares))
+        return Capacity(
+            self.budget, tokens, n, n0, self.share.cost.setting, len(self.shares),
+            self.longest_prompt(context or LONGEST_PROBE),
+        )  # fmt: skip
+
+    def longest_prompt(self, limit: int, reserve: int = 1) -> int:
+        """The longest prompt (with `reserve` tokens to decode) one sequence can
+        hold alone on every rank, at most `limit`: what the capacity line says
+        and a refused request is told."""
+
+        def fits(n: int) -> bool:
+            shape = Shape(n, n + reserve)
+            return all(s.cost.bound([shape]) <= s.budget for s in self.shares)
+
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
 
 # -- the default budget ---------------------------------------------------------

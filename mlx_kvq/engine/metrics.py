@@ -23,7 +23,7 @@ class BudgetFigures:
     """The KV memory budget as of the last step (bytes)."""
 
     budget: int
-    reserved: int
+    reserved: int  # what the admitted sequences can hold before they next grow
     live: int
     prompt_cache: int
     peak_held: int  # the most live + prompt-cache bytes measured after any step
@@ -61,6 +61,9 @@ class MetricsSnapshot:
     draft_requests_moved: int = 0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
+    preemptions: int = 0  # sequences taken out of the batch for memory
+    resumptions: int = 0  # preempted sequences admitted again
+    preempted: int = 0  # preempted sequences waiting to resume now
 
     @property
     def kv_quantized_fraction(self) -> float:
@@ -92,6 +95,9 @@ class EngineMetrics:
     draft_requests_moved: int = 0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
+    preemptions: int = 0
+    resumptions: int = 0
+    preempted: int = 0
     # (time, prompt tokens, prompt seconds, generated tokens, decode seconds)
     _recent: deque = field(default_factory=deque)
 
@@ -142,6 +148,16 @@ class EngineMetrics:
             self.draft_tokens_proposed += proposed
             self.draft_tokens_accepted += accepted
 
+    def count_preemption(self) -> None:
+        """A sequence taken out of the batch because memory ran out."""
+        with self._lock:
+            self.preemptions += 1
+
+    def count_resumption(self) -> None:
+        """A preempted sequence admitted again."""
+        with self._lock:
+            self.resumptions += 1
+
     def record_cached_tokens(self, n: int) -> None:
         with self._lock:
             self.cached_prompt_tokens += n
@@ -155,6 +171,7 @@ class EngineMetrics:
         kv_layers: int,
         kv_layers_quantized: int,
         prompt_cache: PromptCacheStats,
+        preempted: int = 0,
     ) -> None:
         with self._lock:
             self.queue_depth = queue_depth
@@ -164,6 +181,7 @@ class EngineMetrics:
             self.kv_layers = kv_layers
             self.kv_layers_quantized = kv_layers_quantized
             self.prompt_cache = prompt_cache
+            self.preempted = preempted
 
     def _expire(self, now: float) -> None:
         while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
@@ -209,4 +227,7 @@ class EngineMetrics:
                 draft_requests_moved=self.draft_requests_moved,
                 draft_tokens_proposed=self.draft_tokens_proposed,
                 draft_tokens_accepted=self.draft_tokens_accepted,
+                preemptions=self.preemptions,
+                resumptions=self.resumptions,
+                preempted=self.preempted,
             )

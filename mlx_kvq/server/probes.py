@@ -73,9 +73,10 @@ def probes_router(
 
 def budget_status(engine: Engine) -> Callable[[], dict[str, Any] | None] | None:
     """The `budget` of `/status` (None without a budget): the budget, bytes
-    reserved by admitted requests, bytes live sequences and the prompt cache
-    hold, the sequences admitted and the requests waiting, and the capacity
-    line."""
+    the admitted sequences can hold before they next grow, bytes live
+    sequences and the prompt cache hold, the sequences admitted, the requests
+    waiting (preempted ones among them), preemptions and resumptions so far,
+    and the capacity line."""
     if engine.budget is None:
         return None
 
@@ -90,6 +91,9 @@ def budget_status(engine: Engine) -> Callable[[], dict[str, Any] | None] | None:
             "prompt_cache": b.prompt_cache if b else 0,
             "admitted": b.admitted if b else 0,
             "waiting": snapshot.queue_depth,
+            "preempted": snapshot.preempted,
+            "preemptions": snapshot.preemptions,
+            "resumptions": snapshot.resumptions,
             "capacity": capacity.line if capacity else None,
         }
 

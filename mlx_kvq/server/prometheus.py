@@ -101,6 +101,12 @@ class EngineCollector(Collector):
             rejected.add_metric([reason], float(s.rejections.get(reason, 0)))
         yield rejected
         yield from _budget_families(s.budget)
+        yield _counter(
+            "preemptions", "Sequences taken out of the batch because KV memory ran out",
+            s.preemptions,
+        )  # fmt: skip
+        yield _counter("resumptions", "Preempted sequences admitted again", s.resumptions)
+        yield _gauge("preempted", "Preempted sequences waiting to resume", s.preempted)
 
         yield _gauge("queue_depth", "Requests waiting for a batch slot", s.queue_depth)
         yield _gauge("batch_size", "Sequences decoded together in the last step", s.batch_size)
@@ -130,7 +136,11 @@ def _budget_families(b):
     if b is None:
         return
     yield _gauge("kv_cache_memory_bytes", "KV memory budget (--kv-cache-memory)", b.budget)
-    yield _gauge("kv_bytes_reserved", "KV bytes the admitted requests can hold at most", b.reserved)
+    yield _gauge(
+        "kv_bytes_reserved",
+        "KV bytes the admitted sequences can hold before they next grow",
+        b.reserved,
+    )
     yield _gauge("kv_sequences_admitted", "Sequences holding a share of the KV budget", b.admitted)
     yield _gauge(
         "kv_bytes_held_max",

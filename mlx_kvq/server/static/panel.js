@@ -139,6 +139,9 @@ function renderBudget(budget) {
   $("budget-prompt-cache").textContent = formatBytes(cache);
   $("budget-sequences").textContent =
     `${budget.admitted || 0} admitted, ${budget.waiting || 0} waiting`;
+  $("budget-preemptions").textContent =
+    `${budget.preemptions || 0} times, ${budget.resumptions || 0} resumed, ` +
+    `${budget.preempted || 0} waiting to resume`;
   $("budget-capacity").textContent = budget.capacity || "";
 }
 

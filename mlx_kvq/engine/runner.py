@@ -1,0 +1,259 @@
+"""The batch runner: steps mlx-lm's batch and moves sequences in and out of it.
+
+`BatchRunner` owns mlx-lm's `BatchGenerator` (left-padded rows, prompts
+processed in chunks by a prompt batch, then decoded together) and the
+speculative lane beside it (`speculation.SpeculativeLane`). It inserts a
+sequence with the cache it starts from, steps the batch, takes sequences out
+with their caches (finished, stopped, preempted), copies caches at prompt
+cuts, and reports what the caches hold. It decides nothing: the scheduler
+decides, the engine applies. A paged layout replaces this module's cache
+handling.
+
+A preempted sequence leaves with its cache, the tokens that cache holds and
+the token the batch has already sampled for it (`Taken.pending`; mlx-lm
+samples one step ahead). The engine emits that token and resumes the
+sequence later with it as its last prompt token, so greedy and seeded
+sampling go on exactly where they stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.sample_utils import greedy_sampler
+
+from mlx_kvq.caches import KVQWindowCache, cache_report
+from mlx_kvq.mlx_lm_internals import batch_caches, pending_token
+
+from .scheduler import Sequence
+from .speculation import DraftModel, LaneWork, SpeculativeLane
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A sequence taken out of the batch or the lane: the cache it held (None
+    if it had none yet), the tokens that cache holds, and the token already
+    sampled for its next step with its log-probabilities (None if none)."""
+
+    cache: list | None
+    tokens: list[int]
+    pending: tuple[int, Any] | None = None
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """What one step of the batch did: mlx-lm's prompt and generation responses."""
+
+    prompt: tuple
+    tokens: tuple
+    prompt_tokens: int
+    prompt_time: float
+    generation_tokens: int
+    decode_time: float
+
+
+@dataclass(frozen=True)
+class WarmupRun:
+    """What the warm-up batch left: the batch's cache report at its last step,
+    the report of its longest sequence's extracted cache and that sequence's
+    length, and the width of the model's logits."""
+
+    batch_report: list
+    longest_report: list
+    longest: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class LaneWarmupRun:
+    """What the warm-up sequence on the lane left: both models' cache reports,
+    the (slots held, window) of every window cache, tokens generated and
+    drafted tokens accepted."""
+
+    target_report: list
+    draft_report: list
+    windows: list
+    generated: int
+    accepted: int
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    decode_rows: int = 32
+    prompt_rows: int = 8
+    prefill_step: int = 2048
+
+
+class BatchRunner:
+    """mlx-lm's batch and the speculative lane; see the module docstring."""
+
+    def __init__(
+        self, model: Any, options: RunnerOptions, eos: StopSequences, draft: DraftModel | None
+    ):
+        self.model = model
+        self.options = options
+        self.eos = eos
+        self.rows: dict[int, Sequence] = {}  # by batch uid
+        self.lane = None if draft is None else SpeculativeLane(model, draft, options.prefill_step)
+        self._bg: BatchGenerator | None = None
+
+    # ------------------------------------------------------------ the batch
+    def open(self) -> None:
+        """Make the batch (on the engine thread: MLX streams belong to threads)."""
+        self._bg = BatchGenerator(
+            self.model,
+            completion_batch_size=self.options.decode_rows,
+            prefill_batch_size=self.options.prompt_rows,
+            prefill_step_size=self.options.prefill_step,
+        )
+
+    def close(self) -> None:
+        self._bg = None
+        self.rows.clear()
+        if self.lane is not None:
+            self.lane.drop()
+
+    @property
+    def generator(self) -> BatchGenerator | None:
+        return self._bg
+
+    def insert(
+        self,
+        seq: Sequence,
+        pieces: list[list[int]],
+        cache: list,
+        held: list[int],
+        max_tokens: int,
+        stop: StopSequences | None = None,
+    ) -> None:
+        """Add `seq` to the batch: `cache` holds `held`, `pieces` are the tokens
+        still to process (the last one starts decoding)."""
+        (uid,) = self._bg.insert_segments(
+            [pieces],
+            max_tokens=[max_tokens],
+            caches=[cache],
+            all_tokens=[held],
+            samplers=[seq.sampler],
+            logits_processors=[seq.processors],
+            stop_sequences=[stop or self.eos],
+        )
+        seq.uid = uid
+        self.rows[uid] = seq
+
+    def remove(self, seqs: list[Sequence], keep_caches: bool = False) -> dict[int, tuple]:
+        """Take `seqs` out of the batch; their (cache, tokens) by request id
+        when `keep_caches`."""
+        uids = [s.uid for s in seqs if s.uid is not None and s.uid in self.rows]
+        if not uids:
+            return {}
+        by_uid = {uid: self.rows.pop(uid) for uid in uids}
+        for seq in by_uid.values():
+            seq.uid = None
+        out = self._bg.remove(uids, return_prompt_caches=keep_caches)
+        return {by_uid[uid].id: v for uid, v in out.items()}
+
+    def take_out(self, seq: Sequence) -> Taken:
+        """Take `seq` out for preemption: its cache, the tokens it holds, and the
+        token already sampled for it (see the module docstring)."""
+        uid = seq.uid
+        pending = pending_token(self._bg, uid) if uid is not None else None
+        held = self.remove([seq], keep_caches=pending is not None).get(seq.id)
+        if held is None:
+            return Taken(None, [])
+        cache, tokens = held
+        return Taken(cache, list(tokens), pending)
+
+    def extract(self, seqs: list[Sequence]) -> dict[int, tuple]:
+        """Copies of `seqs`' caches as they are now and the tokens they hold, by request id."""
+        by_uid = {s.uid: s for s in seqs if s.uid is not None}
+        if not by_uid:
+            return {}
+        return {by_uid[u].id: v for u, v in self._bg.extract_cache(list(by_uid)).items()}
+
+    def step(self) -> BatchStep:
+        with self._bg.stats() as stats:
+            prompt, tokens = self._bg.next()
+        return BatchStep(
+            tuple(prompt), tuple(tokens), stats.prompt_tokens, stats.prompt_time,
+            stats.generation_tokens, stats.decode_time,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------ what is held
+    @property
+    def lane_busy(self) -> bool:
+        return self.lane is not None and self.lane.busy
+
+    def caches(self) -> list:
+        """Every cache live sequences hold: the batch's and the speculative lane's."""
+        batch = [] if self._bg is None else batch_caches(self._bg)
+        return batch + (self.lane.caches() if self.lane_busy else [])
+
+    def live_bytes(self) -> int:
+        """KV bytes live sequences hold (batch, lane, draft model), measured."""
+        batch = 0 if self._bg is None else self._bg.prompt_cache_nbytes
+        return batch + (self.lane.nbytes if self.lane_busy else 0)
+
+    # ------------------------------------------------------------ the lane
+    def lane_step(self) -> LaneWork:
+        return self.lane.step()
+
+    # ------------------------------------------------------------ warm-up
+    def warm_up(
+        self, prompts: list[list[int]], max_tokens: int, make_cache: Callable[[], list]
+    ) -> WarmupRun:
+        """Run `prompts` greedily through the batch for `max_tokens` tokens each
+        (no EOS: every step runs), as requests go."""
+        uids = self._bg.insert(
+            prompts,
+            max_tokens=[max_tokens] * len(prompts),
+            caches=[make_cache() for _ in prompts],
+            samplers=[greedy_sampler] * len(prompts),
+            stop_sequences=[StopSequences()] * len(prompts),
+        )
+        batch_report: list[dict] = []
+        finished: dict[int, tuple[list, int]] = {}
+        vocab = 0
+        while len(finished) < len(uids):
+            _, responses = self._bg.next()
+            caches = self.caches()
+            if caches:
+                batch_report = cache_report(caches)
+            for r in responses:
+                vocab = r.logprobs.shape[-1]
+                if r.finish_reason is not None:
+                    finished[r.uid] = (r.prompt_cache, len(r.all_tokens))
+        longest_cache, longest = max(finished.values(), key=lambda x: x[1])
+        return WarmupRun(batch_report, cache_report(longest_cache), longest, vocab)
+
+    def warm_up_lane(
+        self, prompt: list[int], cache: list, num_draft_tokens: int, want: int
+    ) -> LaneWarmupRun:
+        """One greedy sequence through the lane, prefilling `prompt` and drafting
+        until `want` tokens; the lane is free again afterwards."""
+        lane = self.lane
+        lane.start(
+            "warm-up", prompt, cache, 0,
+            max_tokens=want, num_draft_tokens=num_draft_tokens, sampler=greedy_sampler,
+        )  # fmt: skip
+        generated = accepted = 0
+        for _ in range(len(prompt) + want):  # prefill chunks, then cycles of at least one token
+            work = lane.step()
+            generated += len(work.tokens)
+            accepted += sum(t.from_draft for t in work.tokens)
+            if generated >= want:
+                break
+        target, draft = lane.model_cache, lane.draft_cache
+        windows = [
+            (c.keys.length, c.max_size)
+            for c in target + draft
+            if isinstance(c, KVQWindowCache) and c.keys is not None
+        ]
+        run = LaneWarmupRun(cache_report(target), cache_report(draft), windows, generated, accepted)
+        lane.take(generated)
+        return run
+
+
+__all__ = ["BatchRunner", "BatchStep", "LaneWarmupRun", "RunnerOptions", "Taken", "WarmupRun"]
