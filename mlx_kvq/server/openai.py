@@ -2,11 +2,12 @@
 
 The two completion endpoints also answer without `/v1` (`/chat/completions`,
 `/completions`), as mlx_lm.server's chat endpoint does. Requests are
-size-checked, parsed (`body.py`), validated (`schemas.py`; every field's
-treatment is in `fields.py`), turned into token ids and handed to the
-engine (a chat translated into `chat_job.ChatJob` by `openai_chat.py`); the answer leaves as JSON or as server-sent events
-in OpenAI's shapes, a chat answer split into content, reasoning and tool
-calls as mlx_lm.server splits it (`chat_output.py`, `tools.py`).
+read (`request_body.py`), validated (`schemas.py`; every field's treatment
+is in `fields.py`), a chat translated into `chat_job.ChatJob`
+(`openai_chat.py`), rendered into token ids and handed to the engine
+(`chat_job.ChatService`); the answer leaves as JSON or as server-sent
+events in OpenAI's shapes, a chat answer split into content, reasoning and
+tool calls as mlx_lm.server splits it (`chat_output.py`, `tools.py`).
 """
 
 from __future__ import annotations
