@@ -201,10 +201,13 @@ def test_mid_conversation_system_turns_folded_for_templates_that_refuse_them():
                 {"role": "tool", "tool_call_id": "c", "content": "r"},
                 {"role": "system", "content": "late"}]  # fmt: skip
     assert fold_system(messages) == [
-        {"role": "system", "content": "S"}, {"role": "user", "content": "a\n\nnote\n\nb"},
+        {"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+        {"role": "user", "content": "note\n\nb"},
         {"role": "tool", "tool_call_id": "c", "content": "r"},
         {"role": "user", "content": "late"},
     ]  # fmt: skip
+    users = [{"role": "user", "content": "hi"}] * 3  # user turns alone are left as they are
+    assert fold_system(users) == users
 
 
 def test_anthropic_prefill_is_refused():

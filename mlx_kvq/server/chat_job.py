@@ -306,16 +306,36 @@ def renders_mid_system(tokenizer: Any) -> bool:
 def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """System messages after the first turn as user text, joined to the user turn
     next to them (for templates that refuse or drop them; see `renders_mid_system`)."""
+
+    def plain_user(m: dict[str, Any] | None) -> bool:
+        return m is not None and m["role"] == "user" and set(m) == {"role", "content"}
+
     out: list[dict[str, Any]] = []
+    held: list[str] = []  # folded system text waiting for the next user turn
     for i, m in enumerate(messages):
         if m["role"] == "system" and i > 0:
-            m = {"role": "user", "content": m.get("content") or ""}
-        if out and m["role"] == "user" and out[-1]["role"] == "user" and len(out[-1]) == 2:
-            if len(m) == 2:
-                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{m['content']}"}
-                continue
+            held.append(m.get("content") or "")
+            continue
+        if held and plain_user(m):
+            m = {"role": "user", "content": "\n\n".join([*held, m["content"] or ""])}
+            held = []
+        elif held:
+            out.append(user_turn(out, held))
+            held = []
         out.append(m)
+    if held:
+        out.append(user_turn(out, held))
     return out
+
+
+def user_turn(out: list[dict[str, Any]], held: list[str]) -> dict[str, Any]:
+    """Folded system text as a user turn: joined to the user turn before it when
+    there is one (it is taken off `out`), else a turn of its own."""
+    last = out[-1] if out else None
+    if last is not None and last["role"] == "user" and set(last) == {"role", "content"}:
+        out.pop()
+        return {"role": "user", "content": "\n\n".join([last["content"] or "", *held])}
+    return {"role": "user", "content": "\n\n".join(held)}
 
 
 class ChatService:
@@ -349,14 +369,11 @@ class ChatService:
                 raise self.reject(400, f"tools cannot be honoured: {refusal}", param="tools")
         args = {**self.settings.chat_template_args, **job.template_args}
 
-        def messages() -> list[dict[str, Any]]:
-            copied = [dict(m) for m in job.messages]
-            return copied if self.mid_system else fold_system(copied)
-
         try:
-            chat = await self.prompts.chat(
-                await self.prompts.run(messages), args, job.tools, job.role_mapping
-            )
+            messages = job.messages  # built for this request: rendering may change them
+            if not self.mid_system:
+                messages = await self.prompts.run(fold_system, messages)
+            chat = await self.prompts.chat(messages, args, job.tools, job.role_mapping)
         except Exception as e:  # template errors are the request's fault
             raise self.reject(400, f"could not apply the chat template: {e}", param=param) from e
         self.check_length(chat.tokens, param)
