@@ -282,13 +282,14 @@ def config_of(row: dict) -> KVConfig:
     return KVConfig(**{**c, "skip_layers": tuple(c["skip_layers"])})
 
 
-def eval_command(row: dict, first: dict) -> str:
-    """The `mlx-kvq eval` command that measures `row` on the frontier's windows:
-    no bits flag when it is the package's default setting."""
+def eval_command(row: dict, first: dict, model: str | None = None) -> str:
+    """The `mlx-kvq eval` command that measures `row` on the frontier's windows
+    (of `model`, a demo model's name; the gemma demo needs no flag): no bits
+    flag when it is the package's default setting."""
     from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 
-    cmd = f"mlx-kvq eval --context {first['context']} --chunk {first['chunk']} "
-    cmd += f"--windows {first['windows']}"
+    cmd = "mlx-kvq eval " + (f"--model demo:{model} " if model not in (None, "gemma") else "")
+    cmd += f"--context {first['context']} --chunk {first['chunk']} --windows {first['windows']}"
     if config_of(row) == DEFAULT_KV_CONFIG:
         return cmd
     c = row["kv_config"]
@@ -302,17 +303,40 @@ def eval_command(row: dict, first: dict) -> str:
     return cmd + " " + " ".join(flags)
 
 
-def default_section(data: dict) -> str:
-    """The default's figures exactly as the command beside them prints them."""
+# The runs the rule reads: each demo model at 512 tokens, 8 windows per text.
+RULE_RUNS = {"gemma": "frontier", "full": "frontier_full_512"}
+
+
+def combined_rows(raw: dict) -> list[dict]:
+    """One row per setting measured in every run of RULE_RUNS: its texts are
+    every model's texts (named `model/text`), its bits the most any model
+    holds, so `meets_goal` asks for the goal on every model and text and
+    `choose_default` applies the rule over all models at once."""
+    per = {m: {r["label"]: r for r in rows(raw[k]["data"])} for m, k in RULE_RUNS.items()}
+    first = next(iter(per.values()))
+    out = []
+    for label, row in first.items():
+        if not all(label in p for p in per.values()):
+            continue
+        texts = {f"{m}/{t}": v for m, p in per.items() for t, v in p[label]["texts"].items()}
+        bits = max(p[label]["bits"] for p in per.values())
+        out.append({"label": label, "bits": bits, "texts": texts, "kv_config": row["kv_config"],
+                    "models": {m: p[label] for m, p in per.items()}})  # fmt: skip
+    return out
+
+
+def default_section(data: dict, model: str = "gemma") -> str:
+    """The default's figures on one demo model exactly as the command beside
+    them prints them."""
     from mlx_kvq.evaluate import format_text_table
 
-    default = choose_default(rows(data))
+    default = default_row(rows(data))
     first = next(iter(data["texts"].values()))[0]
     results = [{"text": n, **default["texts"][n]} for n in data["texts"]]
     return (
-        f"`{eval_command(default, first)}` prints (the demo model, both texts; "
-        f"{default['bits']:.2f} bits per element held at {first['held_context']} tokens):\n\n"
-        + format_text_table(results)
+        f"`{eval_command(default, first, model)}` prints (`demo:{model}`, both texts, in-domain "
+        f"first; {default['bits']:.2f} bits per element held at {first['held_context']} "
+        "tokens):\n\n" + format_text_table(results)
     )
 
 
@@ -552,22 +576,95 @@ def frontier_keys(raw: dict) -> list[str]:
 
 
 def render_frontier(key: str, section: dict) -> None:
-    """The block (table, plot) of one frontier run; the default block from the
-    gemma demo model's 512-token run."""
+    """The block (table, plot) of one frontier run, and the default's block
+    of a run the rule reads."""
     data, cmd = section["data"], section["command"]
     write_section(key, frontier_section(data, key), cmd)
     msg = frontier_plot(data, REPO / "docs" / "img" / f"quality_{key}.png", key)
     if msg:
         print(msg, file=sys.stderr)
-    if key == "frontier":
-        chosen = choose_default(rows(data))
-        print(f"default: {chosen['label']}: {chosen['kv_config']}", file=sys.stderr)
-        if eval_command(chosen, data["texts"][next(iter(data["texts"]))][0]).count("--kv"):
-            print(
-                "the chosen default is not DEFAULT_KV_CONFIG: update mlx_kvq/defaults.py",
-                file=sys.stderr,
-            )
-        write_section("default", default_section(data), cmd)
+    model = next((m for m, k in RULE_RUNS.items() if k == key), None)
+    if model is not None and default_row(rows(data)) is not None:
+        block = "default" if model == "gemma" else f"default_{model}"
+        write_section(block, default_section(data, model), cmd)
+
+
+def render_rule(raw: dict) -> None:
+    """The growth table, and the rule's choice over every model of RULE_RUNS
+    if all are recorded."""
+    growth = growth_section(raw)
+    if growth:
+        write_section("growth", growth, "python scripts/quality_tables.py --render")
+    if not all(k in raw for k in RULE_RUNS.values()):
+        return
+    both = combined_rows(raw)
+    write_section("rule", rule_section(both), "python scripts/quality_tables.py --render")
+    try:
+        chosen = choose_default(both)
+    except ValueError as e:
+        print(f"rule over {', '.join(RULE_RUNS)}: {e}", file=sys.stderr)
+        return
+    print(f"default over {', '.join(RULE_RUNS)}: {chosen['label']}", file=sys.stderr)
+    if config_of(chosen) != _default_config():
+        print("the chosen default is not DEFAULT_KV_CONFIG: update mlx_kvq/defaults.py",
+              file=sys.stderr)  # fmt: skip
+
+
+def growth_section(raw: dict) -> str | None:
+    """Each setting measured at 512 tokens and at a model's full context: mean KL
+    and top-1 side by side, per model and text (does the error grow with the
+    number of keys in a softmax?)."""
+    lines = [
+        "| model | setting | text | mean KL, 512 | mean KL, full context | ratio "
+        "| top-1, 512 | top-1, full context |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    found = False
+    for model, short in RULE_RUNS.items():
+        if short not in raw:
+            continue
+        base = {r["label"]: r for r in rows(raw[short]["data"])}
+        for key in frontier_keys(raw):
+            if key == short or model_title(key) != model_title(short):
+                continue
+            ctx = next(iter(raw[key]["data"]["texts"].values()))[0]["context"]
+            for r in rows(raw[key]["data"]):
+                if r["label"] not in base:
+                    continue
+                for text, t in r["texts"].items():
+                    b = base[r["label"]]["texts"][text]
+                    found = True
+                    lines.append(
+                        f"| {model} ({ctx} tokens) | {r['label']} | {text} | "
+                        f"{_pm(b['kl_mean'], b['kl_mean_se'], '.2e')} | "
+                        f"{_pm(t['kl_mean'], t['kl_mean_se'], '.2e')} | "
+                        f"{t['kl_mean'] / b['kl_mean']:.2f} | "
+                        f"{_pm(b['top1'], b['top1_se'], '.2f', 100)}% | "
+                        f"{_pm(t['top1'], t['top1_se'], '.2f', 100)}% |"
+                    )
+    return "\n".join(lines) if found else None
+
+
+def _default_config() -> KVConfig:
+    from mlx_kvq.defaults import DEFAULT_KV_CONFIG
+
+    return DEFAULT_KV_CONFIG
+
+
+def rule_section(both: list[dict]) -> str:
+    """The settings that meet the goal on every model and text, worst first."""
+    lines = [
+        "| setting | bits/elem, " + ", ".join(RULE_RUNS) + " | worst mean KL | worst top-1 "
+        "| meets on every model |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in sorted(both, key=lambda r: worst(r)[0]):
+        bits = " / ".join(f"{m['bits']:.2f}" for m in r["models"].values())
+        kl, top1 = worst(r)
+        label = f"**{r['label']}**" if config_of(r) == _default_config() else r["label"]
+        lines.append(f"| {label} | {bits} | {kl:.2e} | {100 * top1:.2f}% | "
+                     f"{'yes' if meets_goal(r) else ''} |")  # fmt: skip
+    return "\n".join(lines) + "\n\n" + choice_line(both)
 
 
 def main(argv=None) -> int:
@@ -595,6 +692,8 @@ def main(argv=None) -> int:
     if args.render:
         for key in frontier_keys(raw) if args.only in (None, "frontier") else []:
             render_frontier(key, raw[key])
+        if args.only in (None, "frontier"):
+            render_rule(raw)
         if args.only in (None, "outlier") and "outlier" in raw:
             write_section("outlier", outlier_table(raw["outlier"]["data"]),
                           raw["outlier"]["command"])  # fmt: skip
@@ -619,6 +718,7 @@ def main(argv=None) -> int:
         data = run_frontier(args, settings, old["data"] if old else None)
         save_raw(key, {"command": cmd, "data": data})
         render_frontier(key, {"command": cmd, "data": data})
+        render_rule(json.loads(RAW.read_text()))
     if args.only in (None, "outlier"):
         cmd = (
             f"python scripts/quality_tables.py --only outlier --context {args.context} "

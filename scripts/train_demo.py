@@ -721,18 +721,20 @@ class Preset:
     batch_size: int
     seq_len: int
     warmup: int
+    lr: float
+    threads: int
     prompts: tuple[str, ...]
 
 
 PRESETS = {
     # The demo model (demo:gemma): hybrid sliding-window/full attention, KJV.
     "gemma": Preset(
-        Gemma3Config, "kjv", DEMO_DIR / "model", 900, 8, 512, 100,
+        Gemma3Config, "kjv", DEMO_DIR / "model", 900, 8, 512, 100, 2e-3, 1,
         ("And God said", "In the beginning", "Blessed are the"),
     ),
     # The judge model (demo:full): qwen3, full attention on every layer, Python docs.
     "full": Preset(
-        Qwen3Config, "python-docs", DEMO_DIR / "full", 520, 4, 1024, 50,
+        Qwen3Config, "python-docs", DEMO_DIR / "full", 110, 4, 1024, 10, 2.5e-3, 2,
         ("The function returns", "An exception is raised when", "This module provides"),
     ),
 }  # fmt: skip
@@ -748,7 +750,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--vocab-size", type=int, default=4096)
@@ -761,15 +763,18 @@ def main() -> None:
         action="store_false",
         help="train in float32 instead of bfloat16 autocast",
     )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (OMP_NUM_THREADS follows)"
+    )
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=250)
     args = p.parse_args()
     preset = PRESETS[args.model]
-    for name in ("out", "steps", "batch_size", "seq_len", "warmup"):
+    for name in ("out", "steps", "batch_size", "seq_len", "warmup", "lr", "threads"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     random.seed(args.seed)
 
