@@ -234,7 +234,7 @@ class FakeQuantCache(mlx_cache.KVCache):
 def make_caches(model, scheme: dict) -> list:
     out = []
     exact = dict(FP, kg=64, vg=64)
-    for i, c in enumerate(model.make_cache()):
+    for i, c in enumerate(mlx_cache.make_prompt_cache(model)):
         kind = "sliding" if isinstance(c, mlx_cache.RotatingKVCache) else "full"
         if kind in scheme:
             out.append(FakeQuantCache({**exact, **scheme[kind]}))
@@ -268,7 +268,7 @@ def held_bits(model, scheme: dict, context: int = 2048) -> float:
     layers hold their window), as a real layout of it would."""
     total = slots = 0
     exact = dict(FP, kg=64, vg=64)
-    for i, c in enumerate(model.make_cache()):
+    for i, c in enumerate(mlx_cache.make_prompt_cache(model)):
         sliding = isinstance(c, mlx_cache.RotatingKVCache)
         held = min(context, c.max_size) if sliding else context
         kind = "sliding" if sliding else "full"
@@ -316,7 +316,10 @@ def run(args) -> dict:
     data = {}
     for name, (ids, bos) in texts.items():
         wins = cut_windows(ids, args.context, args.windows, bos)
-        base = [log_probs(model, mx.array(w), model.make_cache(), args.chunk) for w in wins]
+        base = [
+            log_probs(model, mx.array(w), mlx_cache.make_prompt_cache(model), args.chunk)
+            for w in wins
+        ]
         data[name] = (wins, base)
     cmd = (
         "python scripts/quality_explore.py "
