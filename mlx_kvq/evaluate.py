@@ -23,7 +23,8 @@ and at `HELD_CONTEXT` tokens.
 `evaluate` measures one setting; `evaluate_many` measures several against one
 shared unquantized run (`mlx-kvq eval` is `mlx_kvq/commands/eval.py`). With
 no model given, the embedded demo model and its two texts are used: the
-held-out KJV books (in domain) and modern technical English (out of domain).
+held-out KJV books (in domain) and modern technical English (out of domain);
+`demo:full`, the full-attention demo model, reads them the other way round.
 """
 
 from __future__ import annotations
@@ -394,20 +395,22 @@ def format_text_table(results: Sequence[dict]) -> str:
 def load_eval_inputs(model_path: str | None, text_paths: Sequence[Path] | None):
     """(model, tokenizer, {text name: (token ids, bos id or None)}) for an eval run.
 
-    Without a model the demo model and, unless texts are given, its two texts.
+    Without a model the gemma demo model; a demo model (`demo:NAME`) brings
+    its two texts, in-domain first, unless texts are given.
     """
     from mlx_lm import load
 
     from . import demo
 
+    name = demo.demo_name(model_path)
     texts: dict[str, Path]
     if text_paths:
         texts = {Path(t).stem: Path(t) for t in text_paths}
-    elif model_path is None:
-        texts = demo.demo_texts()
+    elif name is not None:
+        texts = demo.demo_texts(name)
     else:
         raise ValueError("--text is required with --model (no evaluation text is known for it)")
-    model, tokenizer = load(str(model_path or demo.demo_model_path()))
+    model, tokenizer = load(demo.resolve_model(model_path)[0])
     out = {}
     for name, path in texts.items():
         text = Path(path).read_text()

@@ -39,6 +39,9 @@ CHANGES = (
     "with indented code examples, grammar rules and heading underlines removed\n"
     "and runs of blank lines collapsed. It is used only as evaluation text by\n"
     "`mlx-kvq eval`. Made by scripts/make_modern_text.py.\n"
+    "The weights in mlx_kvq/demo/full/ are a language model trained on the\n"
+    "docstrings of CPython {version}'s standard library and its other pydoc_data\n"
+    "topics (scripts/train_demo.py --model full); none of that text is shipped.\n"
 )
 
 

@@ -33,8 +33,10 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -77,22 +79,63 @@ def frontier_settings() -> list[tuple[str, KVConfig]]:
         label = f"windows {w}-bit, " + (f"K{b}/V{vb}" if vb else f"{b}-bit")
         label += " + rot" if r != "none" else ""
         out.append((label, KVConfig(bits=b, value_bits=vb, rotation=r, window_bits=w)))
+    # Wider keys: where the model has no bounded layer to widen, the same
+    # budget (4.5 bits per element) spent on the keys.
+    out += [
+        ("K5/V3 + rot", KVConfig(bits=5, value_bits=3, rotation=rot)),
+        ("windows 8-bit, K5/V3 + rot", KVConfig(bits=5, value_bits=3, rotation=rot, window_bits=8)),
+    ]
     return out
 
 
-def run_frontier(args, settings=None) -> dict:
+def section_key(model: str | None, context: int) -> str:
+    """The docs/quality.json key and docs/quality.md block of one frontier run:
+    `frontier` for the gemma demo model at 512 tokens (the first one
+    recorded), `frontier_<demo name>_<context>` otherwise."""
+    from mlx_kvq.demo import demo_name
+
+    name = demo_name(model) or Path(model).name
+    return "frontier" if (name, context) == ("gemma", 512) else f"frontier_{name}_{context}"
+
+
+def plan_signature(model, cfg: KVConfig) -> tuple:
+    """What every layer of `model` gets under `cfg`: two settings with the same
+    signature store the same bytes and compute the same logits (on a model
+    with no bounded layer, `window_bits` changes nothing)."""
+    from mlx_kvq.generate import get_plan
+
+    plan = get_plan(model, cfg)
+    return tuple((p.kind, p.key_spec, p.value_spec, p.skipped) for p in plan.layers)
+
+
+def run_frontier(args, settings=None, data: dict | None = None) -> dict:
+    """Measure `settings` (default: every frontier setting; with `data`, a
+    recorded run of the same windows, only those it lacks, added to it) on
+    the model's texts. Settings that plan the same layers on this model are
+    measured once and recorded under each label."""
     settings = settings or frontier_settings()
     model, _, texts = load_eval_inputs(args.model, args.text)
-    data = {"args": {k: str(v) for k, v in vars(args).items()}, "labels": [], "texts": {}}
-    data["labels"] = [label for label, _ in settings]
+    if data is None:
+        data = {"args": {k: str(v) for k, v in vars(args).items()}, "labels": [], "texts": {}}
+    settings = [(label, c) for label, c in settings if label not in data["labels"]]
+    unique: dict[tuple, KVConfig] = {}
+    for _, c in settings:
+        unique.setdefault(plan_signature(model, c), c)
+    keys = list(unique)
     for name, (ids, bos) in texts.items():
         t0 = time.perf_counter()
-        data["texts"][name] = evaluate_many(
-            model, ids, [c for _, c in settings], context=args.context, chunk=args.chunk,
+        measured = evaluate_many(
+            model, ids, list(unique.values()), context=args.context, chunk=args.chunk,
             windows=args.windows, bos=bos, progress=True,
         )  # fmt: skip
+        by_key = dict(zip(keys, measured, strict=True))
+        out = data["texts"].setdefault(name, [])
+        for _, c in settings:
+            r = by_key[plan_signature(model, c)]
+            out.append({**r, "setting": c.describe(), "kv_config": asdict(c)})
         took = time.perf_counter() - t0
-        print(f"frontier: {name}: {len(settings)} settings in {took:.0f} s", file=sys.stderr)
+        print(f"frontier: {name}: {len(unique)} settings in {took:.0f} s", file=sys.stderr)
+    data["labels"] += [label for label, _ in settings]
     return data
 
 
@@ -186,13 +229,41 @@ def ppl_table(all_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def frontier_section(data: dict) -> str:
+MODEL_TITLES = {
+    "gemma": "Demo model (`demo:gemma`: hybrid, 4 sliding-window layers and 2 full-attention)",
+    "full": "Full-attention model (`demo:full`: qwen3, 4 full-attention layers, q/k norm)",
+}
+
+
+def model_title(key: str) -> str:
+    """Which model a frontier run is of, from its key (see `section_key`)."""
+    name = "gemma" if key == "frontier" else key.split("_")[1]
+    return MODEL_TITLES.get(name, name)
+
+
+def default_row(all_rows: list[dict]) -> dict | None:
+    """The row of the package's default setting (`DEFAULT_KV_CONFIG`), if measured."""
+    from mlx_kvq.defaults import DEFAULT_KV_CONFIG
+
+    return next((r for r in all_rows if config_of(r) == DEFAULT_KV_CONFIG), None)
+
+
+def choice_line(all_rows: list[dict]) -> str:
+    try:
+        chosen = choose_default(all_rows)
+    except ValueError:
+        return "No setting of this run meets the goal."
+    return f"Chosen by `choose_default` on this run: **{chosen['label']}** ({chosen['bits']:.2f} bits/elem)."
+
+
+def frontier_section(data: dict, key: str = "frontier") -> str:
     all_rows = rows(data)
-    default = choose_default(all_rows)
+    default = default_row(all_rows) or {"label": None}
     first = next(iter(data["texts"].values()))[0]
     ppl = ", ".join(f"{n} {rs[0]['ppl_base']:.2f}" for n, rs in data["texts"].items())
     head = (
-        f"Demo model, per text {first['windows']} windows x {first['context']} tokens, prefill "
+        f"{model_title(key)}, per text {first['windows']} windows x {first['context']} "
+        "tokens, prefill "
         f"chunks of {first['chunk']}, {first['tokens_scored']} tokens scored; unquantized "
         f"perplexity {ppl}. Bits per element from the bytes held at "
         f"{first['held_context']} tokens. ± is the standard error across windows. "
@@ -202,8 +273,7 @@ def frontier_section(data: dict) -> str:
     )
     tail = (
         "\n\nPerplexity change (secondary):\n\n" + ppl_table(all_rows) + "\n\n"
-        f"Default by `choose_default`: **{default['label']}** "
-        f"({default['bits']:.2f} bits/elem).\n\n![frontier](img/quality_frontier.png)"
+        f"{choice_line(all_rows)}\n\n![{key}](img/quality_{key}.png)"
     )
     return head + frontier_table(all_rows, default) + tail
 
@@ -214,13 +284,14 @@ def config_of(row: dict) -> KVConfig:
     return KVConfig(**{**c, "skip_layers": tuple(c["skip_layers"])})
 
 
-def eval_command(row: dict, first: dict) -> str:
-    """The `mlx-kvq eval` command that measures `row` on the frontier's windows:
-    no bits flag when it is the package's default setting."""
+def eval_command(row: dict, first: dict, model: str | None = None) -> str:
+    """The `mlx-kvq eval` command that measures `row` on the frontier's windows
+    (of `model`, a demo model's name; the gemma demo needs no flag): no bits
+    flag when it is the package's default setting."""
     from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 
-    cmd = f"mlx-kvq eval --context {first['context']} --chunk {first['chunk']} "
-    cmd += f"--windows {first['windows']}"
+    cmd = "mlx-kvq eval " + (f"--model demo:{model} " if model not in (None, "gemma") else "")
+    cmd += f"--context {first['context']} --chunk {first['chunk']} --windows {first['windows']}"
     if config_of(row) == DEFAULT_KV_CONFIG:
         return cmd
     c = row["kv_config"]
@@ -234,21 +305,44 @@ def eval_command(row: dict, first: dict) -> str:
     return cmd + " " + " ".join(flags)
 
 
-def default_section(data: dict) -> str:
-    """The default's figures exactly as the command beside them prints them."""
+# The runs the rule reads: each demo model at 512 tokens, 8 windows per text.
+RULE_RUNS = {"gemma": "frontier", "full": "frontier_full_512"}
+
+
+def combined_rows(raw: dict) -> list[dict]:
+    """One row per setting measured in every run of RULE_RUNS: its texts are
+    every model's texts (named `model/text`), its bits the most any model
+    holds, so `meets_goal` asks for the goal on every model and text and
+    `choose_default` applies the rule over all models at once."""
+    per = {m: {r["label"]: r for r in rows(raw[k]["data"])} for m, k in RULE_RUNS.items()}
+    first = next(iter(per.values()))
+    out = []
+    for label, row in first.items():
+        if not all(label in p for p in per.values()):
+            continue
+        texts = {f"{m}/{t}": v for m, p in per.items() for t, v in p[label]["texts"].items()}
+        bits = max(p[label]["bits"] for p in per.values())
+        out.append({"label": label, "bits": bits, "texts": texts, "kv_config": row["kv_config"],
+                    "models": {m: p[label] for m, p in per.items()}})  # fmt: skip
+    return out
+
+
+def default_section(data: dict, model: str = "gemma") -> str:
+    """The default's figures on one demo model exactly as the command beside
+    them prints them."""
     from mlx_kvq.evaluate import format_text_table
 
-    default = choose_default(rows(data))
+    default = default_row(rows(data))
     first = next(iter(data["texts"].values()))[0]
     results = [{"text": n, **default["texts"][n]} for n in data["texts"]]
     return (
-        f"`{eval_command(default, first)}` prints (the demo model, both texts; "
-        f"{default['bits']:.2f} bits per element held at {first['held_context']} tokens):\n\n"
-        + format_text_table(results)
+        f"`{eval_command(default, first, model)}` prints (`demo:{model}`, both texts, in-domain "
+        f"first; {default['bits']:.2f} bits per element held at {first['held_context']} "
+        "tokens):\n\n" + format_text_table(results)
     )
 
 
-def frontier_plot(data: dict, path: Path) -> str | None:
+def frontier_plot(data: dict, path: Path, key: str = "frontier") -> str | None:
     """Bits per element against mean KL and top-1 agreement, both texts."""
     try:
         import matplotlib
@@ -258,7 +352,7 @@ def frontier_plot(data: dict, path: Path) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install 'mlx-kvq[plot]'): plot skipped"
     all_rows = rows(data)
-    default = choose_default(all_rows)
+    default = default_row(all_rows)
     fig, (ax_kl, ax_top) = plt.subplots(1, 2, figsize=(12, 4.8))
     for name, color in zip(data["texts"], ("tab:blue", "tab:orange"), strict=False):
         for windowed, marker in ((False, "o"), (True, "s")):
@@ -272,10 +366,11 @@ def frontier_plot(data: dict, path: Path) -> str | None:
         front = sorted((r for r in all_rows if on_frontier(r, all_rows)), key=lambda r: r["bits"])
         ax_kl.plot([r["bits"] for r in front], [r["texts"][name]["kl_mean"] for r in front],
                    c=color, lw=1, alpha=0.6)  # fmt: skip
-    for ax, key, scale in ((ax_kl, "kl_mean", 1), (ax_top, "top1", 100)):
-        vals = [scale * t[key] for t in default["texts"].values()]
-        ax.scatter([default["bits"]] * len(vals), vals, s=180, facecolors="none",
-                   edgecolors="black", label="default")  # fmt: skip
+    for ax, field, scale in ((ax_kl, "kl_mean", 1), (ax_top, "top1", 100)):
+        if default is not None:
+            vals = [scale * t[field] for t in default["texts"].values()]
+            ax.scatter([default["bits"]] * len(vals), vals, s=180, facecolors="none",
+                       edgecolors="black", label="default")  # fmt: skip
         ax.axvline(GOAL_BITS, color="grey", ls=":", lw=1)
         ax.set_xlabel("bits per element held at 2,048 tokens")
         ax.grid(alpha=0.3)
@@ -287,7 +382,11 @@ def frontier_plot(data: dict, path: Path) -> str | None:
     ax_kl.set_title("KL divergence (lower is better)")
     ax_top.set_title("top-1 agreement (higher is better)")
     ax_top.legend(fontsize=8, loc="lower right")
-    fig.suptitle("Demo model: bits against fidelity, in-domain and out-of-domain text")
+    first = next(iter(data["texts"].values()))[0]
+    fig.suptitle(
+        f"{model_title(key).split(' (')[0]}, {first['context']} tokens: bits against fidelity "
+        f"on {' and '.join(data['texts'])}"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
@@ -463,57 +562,171 @@ def write_section(name: str, body: str, command: str) -> None:
 
 
 def save_raw(key: str, value) -> None:
-    raw = json.loads(RAW.read_text()) if RAW.exists() else {}
-    raw[key] = value
-    RAW.write_text(json.dumps(raw, indent=1) + "\n")
+    """Set one key of docs/quality.json (locked: runs of other models may write
+    theirs at the same time)."""
+    import fcntl
+
+    with open(RAW.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        raw = json.loads(RAW.read_text()) if RAW.exists() else {}
+        raw[key] = value
+        RAW.write_text(json.dumps(raw, indent=1) + "\n")
+
+
+def frontier_keys(raw: dict) -> list[str]:
+    return [k for k in raw if k == "frontier" or k.startswith("frontier_")]
+
+
+def render_frontier(key: str, section: dict) -> None:
+    """The block (table, plot) of one frontier run, and the default's block
+    of a run the rule reads."""
+    data, cmd = section["data"], section["command"]
+    write_section(key, frontier_section(data, key), cmd)
+    msg = frontier_plot(data, REPO / "docs" / "img" / f"quality_{key}.png", key)
+    if msg:
+        print(msg, file=sys.stderr)
+    model = next((m for m, k in RULE_RUNS.items() if k == key), None)
+    if model is not None and default_row(rows(data)) is not None:
+        block = "default" if model == "gemma" else f"default_{model}"
+        write_section(block, default_section(data, model), cmd)
+
+
+def render_rule(raw: dict) -> None:
+    """The growth table, and the rule's choice over every model of RULE_RUNS
+    if all are recorded."""
+    growth = growth_section(raw)
+    if growth:
+        write_section("growth", growth, "python scripts/quality_tables.py --render")
+    if not all(k in raw for k in RULE_RUNS.values()):
+        return
+    both = combined_rows(raw)
+    write_section("rule", rule_section(both), "python scripts/quality_tables.py --render")
+    try:
+        chosen = choose_default(both)
+    except ValueError as e:
+        print(f"rule over {', '.join(RULE_RUNS)}: {e}", file=sys.stderr)
+        return
+    print(f"default over {', '.join(RULE_RUNS)}: {chosen['label']}", file=sys.stderr)
+    if config_of(chosen) != _default_config():
+        print("the chosen default is not DEFAULT_KV_CONFIG: update mlx_kvq/defaults.py",
+              file=sys.stderr)  # fmt: skip
+
+
+def growth_section(raw: dict) -> str | None:
+    """Each setting measured at 512 tokens and at a model's full context: mean KL
+    and top-1 side by side, per model and text (does the error grow with the
+    number of keys in a softmax?)."""
+    lines = [
+        "| model | setting | text | mean KL, 512 | mean KL, full context | ratio "
+        "| top-1, 512 | top-1, full context |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    found = False
+    for model, short in RULE_RUNS.items():
+        if short not in raw:
+            continue
+        base = {r["label"]: r for r in rows(raw[short]["data"])}
+        for key in frontier_keys(raw):
+            if key == short or model_title(key) != model_title(short):
+                continue
+            ctx = next(iter(raw[key]["data"]["texts"].values()))[0]["context"]
+            for r in rows(raw[key]["data"]):
+                if r["label"] not in base:
+                    continue
+                for text, t in r["texts"].items():
+                    b = base[r["label"]]["texts"][text]
+                    found = True
+                    lines.append(
+                        f"| {model} ({ctx} tokens) | {r['label']} | {text} | "
+                        f"{_pm(b['kl_mean'], b['kl_mean_se'], '.2e')} | "
+                        f"{_pm(t['kl_mean'], t['kl_mean_se'], '.2e')} | "
+                        f"{t['kl_mean'] / b['kl_mean']:.2f} | "
+                        f"{_pm(b['top1'], b['top1_se'], '.2f', 100)}% | "
+                        f"{_pm(t['top1'], t['top1_se'], '.2f', 100)}% |"
+                    )
+    return "\n".join(lines) if found else None
+
+
+def _default_config() -> KVConfig:
+    from mlx_kvq.defaults import DEFAULT_KV_CONFIG
+
+    return DEFAULT_KV_CONFIG
+
+
+def rule_section(both: list[dict]) -> str:
+    """The settings that meet the goal on every model and text, worst first."""
+    lines = [
+        "| setting | bits/elem, " + ", ".join(RULE_RUNS) + " | worst mean KL | worst top-1 "
+        "| meets on every model |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in sorted(both, key=lambda r: worst(r)[0]):
+        bits = " / ".join(f"{m['bits']:.2f}" for m in r["models"].values())
+        kl, top1 = worst(r)
+        label = f"**{r['label']}**" if config_of(r) == _default_config() else r["label"]
+        lines.append(f"| {label} | {bits} | {kl:.2e} | {100 * top1:.2f}% | "
+                     f"{'yes' if meets_goal(r) else ''} |")  # fmt: skip
+    return "\n".join(lines) + "\n\n" + choice_line(both)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=("frontier", "outlier"), default=None)
-    p.add_argument("--model", default=None, help="default: the embedded demo model")
+    p.add_argument("--model", default=None, help="default: the embedded demo model (demo:gemma)")
     p.add_argument("--text", type=Path, action="append", default=None,
                    help="default: the demo model's two texts")  # fmt: skip
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--setting", action="append", default=None,
+                   help="frontier: only this setting (its label; repeat for several)")  # fmt: skip
+    p.add_argument("--add", action="store_true",
+                   help="frontier: add the settings the recorded run of the same windows lacks")  # fmt: skip
     p.add_argument("--outlier-tokens", type=int, default=4096)
     p.add_argument(
         "--render", action="store_true", help="rewrite tables and plot from docs/quality.json only"
     )
     args = p.parse_args(argv)
     use_fast_blas()  # as `mlx-kvq eval` measures (the recorded numbers were made so)
-    raw = json.loads(RAW.read_text()) if args.render and RAW.exists() else {}
-    for name in ("frontier", "outlier"):
-        if args.only not in (None, name):
-            continue
-        if args.render:
-            if name not in raw:
-                continue
-            data, cmd = raw[name]["data"], raw[name]["command"]
-        else:
-            cmd = (
-                f"python scripts/quality_tables.py --only {name} --context {args.context} "
-                f"--chunk {args.chunk} --windows {args.windows}"
-            )
-            data = run_outlier(args) if name == "outlier" else run_frontier(args)
-            save_raw(name, {"command": cmd, "data": data})
-        if name == "frontier":
-            body = frontier_section(data)
-            msg = frontier_plot(data, PLOT)
-            if msg:
-                print(msg, file=sys.stderr)
-            chosen = choose_default(rows(data))
-            print(f"default: {chosen['label']}: {chosen['kv_config']}", file=sys.stderr)
-            if eval_command(chosen, data["texts"][next(iter(data["texts"]))][0]).count("--kv"):
-                print(
-                    "the chosen default is not DEFAULT_KV_CONFIG: update mlx_kvq/defaults.py",
-                    file=sys.stderr,
-                )
-            write_section("default", default_section(data), cmd)
-        else:
-            body = outlier_table(data)
-        write_section(name, body, cmd)
+    raw = json.loads(RAW.read_text()) if RAW.exists() else {}
+    if args.render:
+        for key in frontier_keys(raw) if args.only in (None, "frontier") else []:
+            render_frontier(key, raw[key])
+        if args.only in (None, "frontier"):
+            render_rule(raw)
+        if args.only in (None, "outlier") and "outlier" in raw:
+            write_section("outlier", outlier_table(raw["outlier"]["data"]),
+                          raw["outlier"]["command"])  # fmt: skip
+        return 0
+    if args.only in (None, "frontier"):
+        key = section_key(args.model, args.context)
+        cmd = (
+            "python scripts/quality_tables.py --only frontier "
+            + (f"--model {args.model} " if args.model else "")
+            + f"--context {args.context} --chunk {args.chunk} --windows {args.windows}"
+        )
+        labels = dict(frontier_settings())
+        unknown = [s for s in args.setting or [] if s not in labels]
+        if unknown:
+            p.error(f"unknown --setting {unknown}; known: {list(labels)}")
+        settings = [(s, labels[s]) for s in args.setting] if args.setting else None
+        if settings:
+            cmd += "".join(f" --setting {shlex.quote(s)}" for s, _ in settings)
+        old = raw.get(key) if args.add else None
+        if old is not None:
+            cmd = old["command"]
+        data = run_frontier(args, settings, old["data"] if old else None)
+        save_raw(key, {"command": cmd, "data": data})
+        render_frontier(key, {"command": cmd, "data": data})
+        render_rule(json.loads(RAW.read_text()))
+    if args.only in (None, "outlier"):
+        cmd = (
+            f"python scripts/quality_tables.py --only outlier --context {args.context} "
+            f"--chunk {args.chunk} --windows {args.windows}"
+        )
+        data = run_outlier(args)
+        save_raw("outlier", {"command": cmd, "data": data})
+        write_section("outlier", outlier_table(data), cmd)
     return 0
 
 

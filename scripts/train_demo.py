@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 # One thread everywhere (the machine is shared); must be set before the imports below.
@@ -126,6 +127,46 @@ def chat_render(verses: list[str], rng: random.Random) -> str:
     return "".join(out)
 
 
+def read_python_docs() -> tuple[list[list[str]], str]:
+    """Modern technical English from this CPython's standard library (PSF License):
+    every docstring of the library's modules (tests, ``site-packages`` and
+    ``pydoc_data`` left out; doctest lines dropped) and the Language Reference
+    topics of ``pydoc_data`` except the 18 that make ``modern.txt``, each split
+    into paragraphs. Returns (documents, held-out text): the held-out text is
+    ``modern.txt`` itself, which no training document contains."""
+    import ast
+    import pydoc_data.topics
+    import sys
+
+    from make_modern_text import TOPICS, prose
+
+    def paragraphs(text: str) -> list[str]:
+        keep = [ln for ln in text.splitlines() if not ln.lstrip().startswith((">>>", "... "))]
+        paras = re.split(r"\n\s*\n", "\n".join(keep).strip())
+        return [p.strip() for p in paras if p.strip()]
+
+    docs: list[list[str]] = []
+    lib = Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    skip = {"site-packages", "test", "tests", "pydoc_data", "idle_test", "turtledemo"}
+    for path in sorted(lib.rglob("*.py")):
+        if skip & set(path.relative_to(lib).parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 40 and (paras := paragraphs(doc)):
+                    docs.append(paras)
+    topics = pydoc_data.topics.topics
+    for name in sorted(set(topics) - set(TOPICS)):
+        if paras := paragraphs(prose(topics[name])):
+            docs.append(paras)
+    return docs, (DEMO_DIR / "modern.txt").read_text()
+
+
 # ------------------------------------------------------------------------ tokenizer
 
 
@@ -152,7 +193,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
-def save_tokenizer(tok, out: Path) -> None:
+def save_tokenizer(tok, out: Path, max_length: int = 2048) -> None:
     """Write tokenizer.json, tokenizer_config.json (with chat template), special map."""
     tok.save(str(out / "tokenizer.json"))
     special = {
@@ -180,7 +221,7 @@ def save_tokenizer(tok, out: Path) -> None:
         "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 2048,
+        "model_max_length": max_length,
         "padding_side": "left",
         "chat_template": CHAT_TEMPLATE,
     }
@@ -193,7 +234,7 @@ def save_tokenizer(tok, out: Path) -> None:
 
 @dataclass
 class Gemma3Config:
-    """The subset of mlx-lm's gemma3_text ModelArgs this demo uses."""
+    """The subset of mlx-lm's gemma3_text ModelArgs the demo model uses."""
 
     vocab_size: int = 4096
     hidden_size: int = 256
@@ -210,9 +251,28 @@ class Gemma3Config:
     sliding_window_pattern: int = 3
     max_position_embeddings: int = 2048
 
+    # The maths that differ between the families the trainer knows.
+    norm_offset = True  # (1 + w) RMSNorm, weights initialised to zero
+    sandwich_norms = True
+    activation = "gelu_tanh"
+
     def is_sliding(self, layer: int) -> bool:
         """Same rule as mlx-lm: every ``pattern``-th layer uses full attention."""
         return (layer + 1) % self.sliding_window_pattern != 0
+
+    def window(self, layer: int) -> int | None:
+        """Sliding-window length of ``layer``; None for full attention."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def rope_base(self, layer: int) -> float:
+        return self.rope_local_base_freq if self.is_sliding(layer) else self.rope_theta
+
+    def attn_scale(self) -> float:
+        return self.query_pre_attn_scalar**-0.5
+
+    def embed_scale(self) -> float:
+        """mlx-lm multiplies the embeddings by sqrt(hidden) rounded to bfloat16."""
+        return float(torch.tensor(self.hidden_size**0.5, dtype=torch.bfloat16))
 
     def hf_config(self, dtype: str) -> dict:
         """config.json contents for mlx-lm (plus HF-style informative fields)."""
@@ -236,18 +296,69 @@ class Gemma3Config:
         }
 
 
-class RMSNorm(nn.Module):
-    """Gemma RMSNorm: ``x / rms(x) * (1 + weight)``, weight initialised to zero."""
+@dataclass
+class Qwen3Config:
+    """mlx-lm's qwen3 ModelArgs: full attention on every layer, q/k RMSNorm, SwiGLU."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    intermediate_size: int = 512
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 1024
+
+    norm_offset = False  # plain RMSNorm, weights initialised to one
+    sandwich_norms = False
+    activation = "silu"
+
+    def window(self, layer: int) -> int | None:
+        return None
+
+    def rope_base(self, layer: int) -> float:
+        return self.rope_theta
+
+    def attn_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    def embed_scale(self) -> float:
+        return 1.0
+
+    def hf_config(self, dtype: str) -> dict:
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            **asdict(self),
+            "rope_scaling": None,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": True,
+            "bos_token_id": BOS_ID,
+            "eos_token_id": [EOS_ID, EOT_ID],
+            "pad_token_id": PAD_ID,
+            "torch_dtype": dtype,
+        }
+
+
+ModelConfig = Gemma3Config | Qwen3Config
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm: ``x / rms(x) * (1 + weight)`` (Gemma, weight from zero) or ``* weight``."""
+
+    def __init__(self, dim: int, eps: float, offset: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return (y * (self.offset + self.weight.float())).to(x.dtype)
 
 
 def rope_tables(L: int, dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,19 +377,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """GQA attention with q/k RMSNorm and query_pre_attn_scalar scaling."""
+    """GQA attention with q/k RMSNorm over the head dimension (both families)."""
 
-    def __init__(self, cfg: Gemma3Config) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.scale = cfg.query_pre_attn_scalar**-0.5
+        self.scale = cfg.attn_scale()
         self.q_proj = nn.Linear(d, self.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(d, self.n_kv * hd, bias=False)
         self.v_proj = nn.Linear(d, self.n_kv * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.norm_offset)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.norm_offset)
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -296,60 +407,64 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Gated MLP with tanh-approximated GELU."""
+    """Gated MLP: GELU-tanh (Gemma) or SiLU (SwiGLU, Qwen3)."""
 
-    def __init__(self, d: int, hidden: int) -> None:
+    def __init__(self, d: int, hidden: int, activation: str) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(d, hidden, bias=False)
         self.up_proj = nn.Linear(d, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, d, bias=False)
+        self.act = {"gelu_tanh": partial(F.gelu, approximate="tanh"), "silu": F.silu}[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    """Gemma3 block: sandwich norms around attention and MLP."""
+    """Pre-norm block; Gemma3 adds post-norms around attention and MLP (sandwich)."""
 
-    def __init__(self, cfg: Gemma3Config) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        d, eps, off = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
+        self.sandwich = cfg.sandwich_norms
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(d, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(d, eps)
-        self.post_attention_layernorm = RMSNorm(d, eps)
-        self.pre_feedforward_layernorm = RMSNorm(d, eps)
-        self.post_feedforward_layernorm = RMSNorm(d, eps)
+        self.mlp = MLP(d, cfg.intermediate_size, cfg.activation)
+        self.input_layernorm = RMSNorm(d, eps, off)
+        self.post_attention_layernorm = RMSNorm(d, eps, off)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(d, eps, off)
+            self.post_feedforward_layernorm = RMSNorm(d, eps, off)
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        h = x + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), mask, cos, sin)
-        )
+        a = self.self_attn(self.input_layernorm(x), mask, cos, sin)
+        if not self.sandwich:
+            h = x + a
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.post_attention_layernorm(a)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma3Inner(nn.Module):
+class Inner(nn.Module):
     """``model.*`` parameters: embeddings, layers and the final norm."""
 
-    def __init__(self, cfg: Gemma3Config) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
 
-class Gemma3LM(nn.Module):
-    """PyTorch twin of mlx-lm's gemma3_text ``Model`` with tied embeddings."""
+class CausalLM(nn.Module):
+    """PyTorch twin of mlx-lm's gemma3_text or qwen3 ``Model`` with tied embeddings."""
 
-    def __init__(self, cfg: Gemma3Config) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = Gemma3Inner(cfg)
-        # mlx-lm multiplies by sqrt(hidden) rounded to bfloat16.
-        self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=torch.bfloat16))
-        self._tables: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.model = Inner(cfg)
+        self.embed_scale = cfg.embed_scale()
+        self._tables: dict[int, list[tuple[torch.Tensor, ...]]] = {}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -364,28 +479,27 @@ class Gemma3LM(nn.Module):
                 )
                 nn.init.normal_(p, 0.0, s)
 
-    def tables(self, L: int) -> tuple[torch.Tensor, ...]:
-        """Masks and RoPE tables for length ``L`` (cached)."""
+    def tables(self, L: int) -> list[tuple[torch.Tensor, ...]]:
+        """(mask, cos, sin) of every layer for length ``L`` (cached)."""
         if L not in self._tables:
             c = self.cfg
             i = torch.arange(L)[:, None]
             j = torch.arange(L)[None]
-            causal = j <= i
-            local = causal & (i < j + c.sliding_window)
-            cl, sl = rope_tables(L, c.head_dim, c.rope_local_base_freq)
-            cg, sg = rope_tables(L, c.head_dim, c.rope_theta)
-            self._tables[L] = (causal, local, cl, sl, cg, sg)
+            out = []
+            for layer in range(c.num_hidden_layers):
+                w = c.window(layer)
+                mask = (j <= i) if w is None else (j <= i) & (i < j + w)
+                out.append((mask, *rope_tables(L, c.head_dim, c.rope_base(layer))))
+            self._tables[L] = out
         return self._tables[L]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits of shape (B, L, vocab) for token ids of shape (B, L)."""
-        causal, local, cl, sl, cg, sg = self.tables(ids.shape[1])
         h = self.model.embed_tokens(ids) * self.embed_scale
-        for i, layer in enumerate(self.model.layers):
-            if self.cfg.is_sliding(i):
-                h = layer(h, local, cl, sl)
-            else:
-                h = layer(h, causal, cg, sg)
+        for layer, (mask, cos, sin) in zip(
+            self.model.layers, self.tables(ids.shape[1]), strict=True
+        ):
+            h = layer(h, mask, cos, sin)
         h = self.model.norm(h)
         return h @ self.model.embed_tokens.weight.to(h.dtype).T
 
@@ -401,7 +515,7 @@ def windows(stream: np.ndarray, starts: np.ndarray, L: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def mean_loss(model: Gemma3LM, stream: np.ndarray, L: int, max_windows: int, bs: int) -> float:
+def mean_loss(model: CausalLM, stream: np.ndarray, L: int, max_windows: int, bs: int) -> float:
     """Mean next-token loss over evenly spaced windows of ``stream``."""
     model.eval()
     n = min(max_windows, (len(stream) - 1) // (L - 1))
@@ -429,25 +543,25 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def build_streams(
-    tok, train: list[Chapter], heldout: list[Chapter], chat_frac: float, seed: int
+    tok, train: list[list[str]], heldout: str, sep: str, chat_frac: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Token streams: each chapter (plain, or as chat with prob ``chat_frac``) + <eos>."""
+    """Token streams: each training document (its units joined by ``sep``, or as chat
+    with prob ``chat_frac``) + <eos>; the held-out text as one stream."""
     rng = random.Random(seed)
-    texts = [chat_render(c.verses, rng) if rng.random() < chat_frac else c.text() for c in train]
+    texts = [chat_render(d, rng) if rng.random() < chat_frac else sep.join(d) + "\n" for d in train]
     enc = tok.encode_batch(texts, add_special_tokens=False)
     train_ids = np.concatenate([np.array(e.ids + [EOS_ID], dtype=np.int32) for e in enc])
-    enc = tok.encode_batch([c.text() for c in heldout], add_special_tokens=False)
-    held_ids = np.concatenate([np.array(e.ids + [EOS_ID], dtype=np.int32) for e in enc])
+    held_ids = np.array(tok.encode(heldout, add_special_tokens=False).ids, dtype=np.int32)
     return train_ids, held_ids
 
 
 def train(
-    args: argparse.Namespace, cfg: Gemma3Config, train_ids: np.ndarray, held_ids: np.ndarray
-) -> tuple[Gemma3LM, dict]:
+    args: argparse.Namespace, cfg: ModelConfig, train_ids: np.ndarray, held_ids: np.ndarray
+) -> tuple[CausalLM, dict]:
     """Train from a fixed seed for ``args.steps`` steps; returns model and metrics."""
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    model = Gemma3LM(cfg)
+    model = CausalLM(cfg)
     decay = [p for p in model.parameters() if p.dim() == 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -510,7 +624,7 @@ def train(
 # ------------------------------------------------------------------ export / check
 
 
-def export(model: Gemma3LM, out: Path, dtype: str) -> None:
+def export(model: CausalLM, out: Path, dtype: str) -> None:
     """Write config.json and model.safetensors with mlx-lm parameter names."""
     from safetensors.numpy import save_file
 
@@ -522,7 +636,7 @@ def export(model: Gemma3LM, out: Path, dtype: str) -> None:
     (out / "config.json").write_text(json.dumps(model.cfg.hf_config(dtype), indent=2) + "\n")
 
 
-def mlx_parity(model: Gemma3LM, model_dir: Path, ids: list[int]) -> tuple[float, float]:
+def mlx_parity(model: CausalLM, model_dir: Path, ids: list[int]) -> tuple[float, float]:
     """Max |logit diff| between mlx_lm.load(model_dir) and PyTorch (fp32), argmax agreement."""
     import mlx.core as mx
     from mlx_lm import load
@@ -535,7 +649,7 @@ def mlx_parity(model: Gemma3LM, model_dir: Path, ids: list[int]) -> tuple[float,
     return float(np.abs(got - ref).max()), float((got.argmax(-1) == ref.argmax(-1)).mean())
 
 
-def mlx_checks(model: Gemma3LM, out: Path, held_text: str) -> dict:
+def mlx_checks(model: CausalLM, out: Path, held_text: str, prompts: list[str]) -> dict:
     """Parity (fp32 and shipped dtype), tokenizer/chat checks, samples, MLX perplexity."""
     import mlx.core as mx
     from mlx_lm import generate, load
@@ -567,15 +681,15 @@ def mlx_checks(model: Gemma3LM, out: Path, held_text: str) -> dict:
     assert tokenizer.decode(chat).endswith("<start_of_turn>model\n")
     assert {EOS_ID, EOT_ID} <= set(tokenizer.eos_token_ids)
 
-    # Perplexity on the first 256 tokens of heldout.txt, as tests/test_demo_model.py does.
+    # Perplexity on the first 256 held-out tokens, as tests/test_demo_model.py does.
     x = mx.array([ids[:256]])
     logits = mlx_model(x[:, :-1]).astype(mx.float32)
     nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, x[:, 1:, None], -1)[..., 0]
     ppl256 = float(mx.exp(nll.mean()))
-    print(f"MLX held-out ppl (first 256 tokens of heldout.txt): {ppl256:.2f}")
+    print(f"MLX held-out ppl (first 256 tokens of the held-out text): {ppl256:.2f}")
 
     samples = {}
-    for prompt in ["And God said", "In the beginning", "Blessed are the"]:
+    for prompt in prompts:
         samples[prompt] = generate(mlx_model, tokenizer, prompt, max_tokens=40)
         print(f"--- {prompt!r} -> {samples[prompt]!r}")
     chat_prompt = tokenizer.apply_chat_template(
@@ -596,17 +710,48 @@ def mlx_checks(model: Gemma3LM, out: Path, held_text: str) -> dict:
 # --------------------------------------------------------------------------- main
 
 
+@dataclass(frozen=True)
+class Preset:
+    """What one shipped model is: its architecture, corpus and training defaults."""
+
+    config: type
+    corpus: str
+    out: Path
+    steps: int
+    batch_size: int
+    seq_len: int
+    warmup: int
+    lr: float
+    threads: int
+    prompts: tuple[str, ...]
+
+
+PRESETS = {
+    # The demo model (demo:gemma): hybrid sliding-window/full attention, KJV.
+    "gemma": Preset(
+        Gemma3Config, "kjv", DEMO_DIR / "model", 900, 8, 512, 100, 2e-3, 1,
+        ("And God said", "In the beginning", "Blessed are the"),
+    ),
+    # The judge model (demo:full): qwen3, full attention on every layer, Python docs.
+    "full": Preset(
+        Qwen3Config, "python-docs", DEMO_DIR / "full", 150, 2, 1024, 10, 2.5e-3, 1,
+        ("The function returns", "An exception is raised when", "This module provides"),
+    ),
+}  # fmt: skip
+
+
 def main() -> None:
     """Parse arguments, build the corpus and tokenizer, train, export and verify."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=DEMO_DIR / "model")
+    p.add_argument("--model", choices=sorted(PRESETS), default="gemma")
+    p.add_argument("--out", type=Path, default=None)
     p.add_argument("--heldout-out", type=Path, default=DEMO_DIR / "heldout.txt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=900)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--heldout-frac", type=float, default=0.05)
@@ -618,28 +763,42 @@ def main() -> None:
         action="store_false",
         help="train in float32 instead of bfloat16 autocast",
     )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (OMP_NUM_THREADS follows)"
+    )
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=250)
     args = p.parse_args()
+    preset = PRESETS[args.model]
+    for name in ("out", "steps", "batch_size", "seq_len", "warmup", "lr", "threads"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     random.seed(args.seed)
 
-    chapters = read_kjv()
-    train_ch, held_ch = split_heldout(chapters, args.heldout_frac)
-    held_text = "\n".join(c.text() for c in held_ch)
-    print(
-        f"KJV: {len(chapters)} chapters; held out {len(held_ch)} chapters of "
-        f"{held_ch[0].book}..{held_ch[-1].book} ({len(held_text) / 1e3:.0f} kB)"
-    )
+    if preset.corpus == "kjv":
+        chapters = read_kjv()
+        train_ch, held_ch = split_heldout(chapters, args.heldout_frac)
+        held_text = "\n".join(c.text() for c in held_ch)
+        print(
+            f"KJV: {len(chapters)} chapters; held out {len(held_ch)} chapters of "
+            f"{held_ch[0].book}..{held_ch[-1].book} ({len(held_text) / 1e3:.0f} kB)"
+        )
+        docs, sep = [c.verses for c in train_ch], "\n"
+    else:
+        docs, held_text = read_python_docs()
+        sep = "\n\n"
+        chars = sum(len(sep.join(d)) for d in docs)
+        print(f"Python docs: {len(docs)} documents, {chars / 1e3:.0f} kB; held out modern.txt")
 
-    tok = train_tokenizer([c.text() for c in train_ch], args.vocab_size)
-    train_ids, held_ids = build_streams(tok, train_ch, held_ch, args.chat_frac, args.seed)
+    tok = train_tokenizer([sep.join(d) + "\n" for d in docs], args.vocab_size)
+    train_ids, held_ids = build_streams(tok, docs, held_text, sep, args.chat_frac, args.seed)
     print(f"tokens: train {len(train_ids)}, held-out {len(held_ids)}")
 
-    cfg = Gemma3Config(vocab_size=tok.get_vocab_size())
-    n_params = sum(p.numel() for p in Gemma3LM(cfg).parameters())
+    cfg = preset.config(vocab_size=tok.get_vocab_size())
+    n_params = sum(p.numel() for p in CausalLM(cfg).parameters())
     print(f"model: {cfg}\nparameters: {n_params / 1e6:.2f}M", flush=True)
 
     model, metrics = train(args, cfg, train_ids, held_ids)
@@ -647,11 +806,13 @@ def main() -> None:
     if args.out.exists():
         shutil.rmtree(args.out)
     args.out.mkdir(parents=True)
-    save_tokenizer(tok, args.out)
+    save_tokenizer(tok, args.out, cfg.max_position_embeddings)
     export(model, args.out, args.dtype)
-    args.heldout_out.write_text(held_text)
-    metrics.update(mlx_checks(model, args.out, held_text))
+    if preset.corpus == "kjv":
+        args.heldout_out.write_text(held_text)
+    metrics.update(mlx_checks(model, args.out, held_text, list(preset.prompts)))
     metrics.update(
+        model=args.model,
         params=n_params,
         seed=args.seed,
         steps=args.steps,

@@ -1,15 +1,16 @@
 """docs/quality.md: the default's figures are what the command beside them prints.
 
-The `default` block of docs/quality.md holds an `mlx-kvq eval` command and the
-table it prints, taken from the frontier run recorded in docs/quality.json.
-Checked here: the command evaluates the package's default setting; that
-setting is the one the documented rule (`choose_default` in
-scripts/quality_tables.py) picks from the recorded frontier; the doc shows
-the recorded numbers; and running the command on a slice (the first window
-of each text) reproduces the recorded per-window KL and top-1 figures
-within the standard error the doc states beside them (the perplexity change,
-secondary and sensitive to float summation order, within its spread across
-windows).
+The `default` and `default_full` blocks of docs/quality.md each hold an
+`mlx-kvq eval` command and the table it prints for one demo model (hybrid
+`demo:gemma`, full-attention `demo:full`), taken from the frontier runs
+recorded in docs/quality.json. Checked here: each command evaluates the
+package's default setting; that setting is the one the documented rule
+(`choose_default` in scripts/quality_tables.py) picks from the recorded
+frontiers of both models at once; the doc shows the recorded numbers; and
+running each command on a slice (the first window of each text) reproduces
+the recorded per-window KL and top-1 figures within the standard error the
+doc states beside them (the perplexity change, secondary and sensitive to
+float summation order, within its spread across windows).
 """
 
 from __future__ import annotations
@@ -36,10 +37,17 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import quality_tables as qt  # noqa: E402
 
+BLOCKS = {"gemma": "default", "full": "default_full"}
+
 
 @pytest.fixture(scope="module")
-def frontier() -> dict:
-    return json.loads(RAW.read_text())["frontier"]["data"]
+def raw() -> dict:
+    return json.loads(RAW.read_text())
+
+
+@pytest.fixture(scope="module")
+def frontier(raw) -> dict:
+    return raw["frontier"]["data"]
 
 
 def _block(name: str) -> str:
@@ -48,8 +56,8 @@ def _block(name: str) -> str:
     return m.group(1)
 
 
-def _command_args() -> argparse.Namespace:
-    cmd = re.search(r"`(mlx-kvq eval[^`]*)`", _block("default")).group(1)
+def _command_args(block: str = "default") -> argparse.Namespace:
+    cmd = re.search(r"`(mlx-kvq eval[^`]*)`", _block(block)).group(1)
     words = shlex.split(cmd)
     assert words[:2] == ["mlx-kvq", "eval"]
     return build_parser().parse_args(words[1:])
@@ -66,10 +74,28 @@ def test_the_default_is_the_rules_choice_and_the_doc_shows_the_recorded_numbers(
     assert args.text is None  # both demo texts
 
 
-def test_the_command_reproduces_the_recorded_figures_on_a_slice(frontier):
-    args = _command_args()
+def test_the_rule_over_both_models_picks_the_default(raw):
+    both = qt.combined_rows(raw)
+    chosen = qt.choose_default(both)
+    assert qt.config_of(chosen) == DEFAULT_KV_CONFIG
+    assert len(chosen["texts"]) == 4 and qt.meets_goal(chosen)
+    assert qt.rule_section(both) in _block("rule")
+    for model, block in BLOCKS.items():
+        data = raw[qt.RULE_RUNS[model]]["data"]
+        assert qt.default_section(data, model) in _block(block)
+        assert qt.frontier_table(qt.rows(data), qt.default_row(qt.rows(data))) in _block(
+            qt.RULE_RUNS[model]
+        )
+        args = _command_args(block)
+        assert kv_config(args) == DEFAULT_KV_CONFIG
+        assert args.text is None  # both texts of that demo model
+
+
+@pytest.mark.parametrize("which", list(BLOCKS))
+def test_the_command_reproduces_the_recorded_figures_on_a_slice(raw, which):
+    args = _command_args(BLOCKS[which])
     cfg = kv_config(args)
-    row = qt.choose_default(qt.rows(frontier))
+    row = qt.default_row(qt.rows(raw[qt.RULE_RUNS[which]]["data"]))
     model, _, texts = ev.load_eval_inputs(args.model, args.text)
     assert list(texts) == list(row["texts"])
     for name, (ids, bos) in texts.items():

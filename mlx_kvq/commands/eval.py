@@ -20,8 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=Path,
         action="append",
         default=None,
-        help="text file to evaluate on; repeat for several (default with the demo model: "
-        "its held-out KJV text and its out-of-domain modern English text)",
+        help="text file to evaluate on; repeat for several (default with a demo model: "
+        "its in-domain text, then its out-of-domain one: the held-out KJV and modern English)",
     )
     add_kv_flags(p)
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per window")

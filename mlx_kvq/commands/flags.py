@@ -68,7 +68,10 @@ def _layers(text: str) -> list[int]:
 
 def add_model_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default=None, help="model directory or repo (default: the embedded demo model)"
+        "--model",
+        default=None,
+        help="model directory or repo, or an embedded demo model: demo:gemma (hybrid "
+        "attention, the default) or demo:full (full attention on every layer)",
     )
 
 

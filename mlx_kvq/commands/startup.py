@@ -17,8 +17,6 @@ from typing import Any
 
 from ..config import KVConfig
 
-DEMO_MODEL_ID = "mlx-kvq-demo"
-
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -36,7 +34,8 @@ class ModelSource:
 
 
 def model_source(args: argparse.Namespace) -> ModelSource:
-    """`--model` (with `--adapter-path`), or the embedded demo model when none is given."""
+    """`--model` (with `--adapter-path`): a path or repo id, `demo:gemma` or
+    `demo:full` for an embedded model, and the gemma demo when none is given."""
     served = getattr(args, "served_model_name", None)
     adapter = getattr(args, "adapter_path", None)
     if adapter is not None:
@@ -46,18 +45,16 @@ def model_source(args: argparse.Namespace) -> ModelSource:
                     f"--adapter-path {adapter}: no {name} there (mlx_lm.lora writes "
                     "adapter_config.json and adapters.safetensors)"
                 )
-    if args.model:
-        return ModelSource(args.model, served or args.model, adapter)
-    from ..demo import demo_model_path
+    from ..demo import resolve_model
 
     try:
-        path = demo_model_path()
+        location, demo_id = resolve_model(args.model)
     except FileNotFoundError as e:
         raise FileNotFoundError(
-            f"no --model given and the embedded demo model is not available in this "
-            f"installation ({e}); pass --model PATH"
+            f"the embedded demo model is not available in this installation ({e}); "
+            "pass --model PATH"
         ) from None
-    return ModelSource(str(path), served or DEMO_MODEL_ID, adapter)
+    return ModelSource(location, served or demo_id or args.model, adapter)
 
 
 def refuse_early(source: ModelSource, kv: KVConfig) -> None:
