@@ -4,7 +4,8 @@
   chat completion from the official `openai` client equals the single-process
   engine's greedy output with the same quantized settings; `/health` waited
   for every rank's warm-up and reports per-rank KV bytes (half each), as does
-  `/metrics`. Killing rank 1 then ends the whole group (mlx.launch's policy)
+  `/metrics`; Anthropic's `/v1/messages` and the Responses API give the
+  same answer. Killing rank 1 then ends the whole group (mlx.launch's policy)
   in bounded time.
 - Pipeline parallel (ministral3), one process per rank started with the
   variables mlx.launch sets: same equality and per-rank bytes (each rank the
@@ -89,6 +90,15 @@ def chat(server, temperature: float = 0.0, seed: int | None = None) -> str:
     return out.choices[0].message.content
 
 
+def agent_answers(server) -> list[str]:
+    """The greedy answer's text through /v1/messages and /v1/responses (the same engine)."""
+    body = {"model": "any", "max_tokens": MAX_TOKENS, "messages": MESSAGES}
+    m = httpx.post(server.url + "/v1/messages", json=body, timeout=BOUND_S).json()
+    r = server.client().responses.create(model="any", input=MESSAGES[0]["content"],
+                                         max_output_tokens=MAX_TOKENS, store=False)  # fmt: skip
+    return ["".join(b["text"] for b in m["content"] if b["type"] == "text"), r.output_text]
+
+
 def check_ranks(health: dict, ref_by_kind: dict, mode: str) -> None:
     """Per-rank warm-up bytes: half each (tensor), or the bytes of the rank's layers (pipeline)."""
     assert f"2 ranks ({mode} parallel)" in health["plan"]["summary"]
@@ -128,6 +138,7 @@ def test_tensor_parallel_server_under_mlx_launch():
         check_budget(health, None)
         assert chat(server) == text
         assert chat(server, **SEEDED) == sampled
+        assert agent_answers(server) == [(text or "").lstrip()] * 2
 
         m = server.metrics()
         assert m["mlx_kvq_distributed_ranks"] == 2

@@ -131,13 +131,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer <key>' on the OpenAI routes (or set {API_KEY_ENV})",
+        help=f"require 'Authorization: Bearer <key>' or 'x-api-key: <key>' on the API routes "
+        f"(or set {API_KEY_ENV})",
     )
     p.add_argument(
         "--max-request-bytes",
         type=parse_size,
         default=8 * 1024 * 1024,
         help="largest accepted request body (default: 8MiB); larger gets 413",
+    )
+    p.add_argument(
+        "--response-store-bytes",
+        type=parse_size,
+        default=64 * 1024 * 1024,
+        help="bytes of stored /v1/responses (store: true) kept for previous_response_id "
+        "and GET /v1/responses/{id}, oldest dropped first (default: 64MiB)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -285,8 +293,10 @@ def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
 
     return ServerSettings(
         model_id=source.served_id,
+        names_checked=args.served_model_name is not None,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_bytes=args.max_request_bytes,
+        response_store_bytes=args.response_store_bytes,
         max_tokens=args.max_tokens,
         temperature=args.temp,
         top_p=args.top_p,

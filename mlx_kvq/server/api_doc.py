@@ -1,10 +1,11 @@
 """`GET /openapi.json`: every route, with the request bodies the API validates.
 
-The completion endpoints read their bodies themselves (size cap, JSON
-checks, then the pydantic models of `schemas.py`), so FastAPI cannot see
-those bodies; they are added here from the same models, so the published
-schema is the one requests are checked against, each field described with
-its treatment (`fields.py`).
+The API endpoints read their bodies themselves (size cap, JSON checks,
+then the pydantic models of `schemas.py`, `anthropic_schemas.py` and
+`responses_schemas.py`), so FastAPI cannot see those bodies; they are added
+here from the same models, so the published schema is the one requests are
+checked against, each field described with its treatment (`fields.py` and
+the two APIs' lists).
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from .anthropic_schemas import (
+    COUNT_TOKENS_FIELDS,
+    MESSAGES_FIELDS,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from .fields import FIELDS
+from .responses_schemas import RESPONSES_FIELDS, ResponsesRequest
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 BODIES = {
@@ -22,7 +30,18 @@ BODIES = {
     "/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/completions": CompletionRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
+    "/v1/responses": ResponsesRequest,
 }
+# each body model and its fields' treatments
+DOCUMENTED = (
+    (ChatCompletionRequest, FIELDS["chat"]),
+    (CompletionRequest, FIELDS["completions"]),
+    (MessagesRequest, MESSAGES_FIELDS),
+    (CountTokensRequest, COUNT_TOKENS_FIELDS),
+    (ResponsesRequest, RESPONSES_FIELDS),
+)
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
@@ -33,8 +52,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
         routes=app.routes,
     )
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    for model, fields in ((ChatCompletionRequest, FIELDS["chat"]),
-                          (CompletionRequest, FIELDS["completions"])):  # fmt: skip
+    for model, fields in DOCUMENTED:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         for name, prop in schema["properties"].items():

@@ -1,8 +1,10 @@
 """The FastAPI app: the routers of this package over one engine.
 
-HTTP only. `openai.py` answers OpenAI's endpoints, `probes.py` the probes
-and metrics, `web.py` the page at `/` and `/status`, `api_doc.py`
-`/openapi.json`; errors leave in OpenAI's body shape (`errors.py`);
+HTTP only. `openai.py` answers OpenAI's chat and completions endpoints,
+`anthropic.py` Anthropic's Messages, `responses.py` OpenAI's Responses (all
+three through `chat_job.py`), `probes.py` the probes and metrics, `web.py`
+the page at `/` and `/status`, `api_doc.py` `/openapi.json`; errors leave
+in OpenAI's body shape, or Anthropic's on its routes (`errors.py`);
 `guard.py` refuses what a web page must not send (a foreign Host or Origin,
 API bodies that are not JSON); `lifecycle.py` refuses new requests while
 the process drains. Starting, stopping and signals belong to the process
@@ -21,14 +23,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mlx_kvq.blas import blas_info
 from mlx_kvq.engine import Engine
 
+from .anthropic import messages_router
 from .api_doc import openapi_document
 from .auth import api_key_check
-from .errors import APIError, error_response, validation_message
+from .chat_job import ChatService
+from .errors import APIError, error_response_for, validation_message
 from .guard import GuardMiddleware
 from .lifecycle import InFlightMiddleware, Lifecycle
 from .openai import openai_router
 from .probes import budget_status, probes_router
 from .prompting import PromptWork
+from .response_store import AgentCounters
+from .responses import responses_router
 from .settings import ServerSettings
 from .web import web_router
 
@@ -44,45 +50,51 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.state.engine = engine
     app.state.settings = settings
     app.state.lifecycle = Lifecycle()
+    app.state.agent_counters = AgentCounters(settings.response_store_bytes)
     # one for the app: every endpoint that prepares prompts shares its threads and cap
     app.state.prompts = PromptWork(engine.tokenizer, settings.max_context, settings.prompt_workers)
     app.add_middleware(InFlightMiddleware, lifecycle=app.state.lifecycle)
     app.add_middleware(GuardMiddleware, policy=settings.guard)  # outermost: runs first
 
+    def respond(request: Request, status: int, message: str, param: str | None = None,
+                code: str | None = None, headers: dict | None = None) -> JSONResponse:  # fmt: skip
+        """An error in the shape of the API the request was for."""
+        return error_response_for(request.url.path, status, message, param, code, headers)
+
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
         if e.retry_after is not None:
             headers["Retry-After"] = str(e.retry_after)
         if e.close:
             headers["Connection"] = "close"
-        return error_response(e.status, e.message, e.param, e.code, headers)
+        return respond(request, e.status, e.message, e.param, e.code, headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(e.status_code, str(e.detail))
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return respond(request, e.status_code, str(e.detail))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(e.errors()))
-        return error_response(400, message, param)
+        return respond(request, 400, message, param)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(e).__name__}")
+        return respond(request, 500, f"internal error: {type(e).__name__}")
 
-    app.include_router(probes_router(engine, settings))
+    app.include_router(probes_router(engine, settings, app.state.agent_counters))
     app.include_router(
         web_router(
             engine, settings, blas=lambda: blas_info().to_dict(), budget=budget_status(engine)
         )
     )
-    app.include_router(
-        openai_router(
-            engine, settings, api_key_check(settings.api_key, engine.metrics), app.state.prompts
-        )
-    )
+    auth = api_key_check(settings.api_key, engine.metrics)
+    service = ChatService(engine, settings, app.state.prompts)
+    app.include_router(openai_router(service, auth))
+    app.include_router(messages_router(service, auth))
+    app.include_router(responses_router(service, auth, app.state.agent_counters))
     return app
 
 

@@ -1,4 +1,4 @@
-"""The API key check on the OpenAI routes (a FastAPI dependency)."""
+"""The API key check on the API routes (a FastAPI dependency)."""
 
 from __future__ import annotations
 
@@ -16,19 +16,19 @@ def api_key_check(
     api_key: str | None, metrics: EngineMetrics
 ) -> Callable[[Request], Awaitable[None]]:
     """A dependency refusing requests without `Authorization: Bearer <api_key>`
-    (constant-time compare); no check when `api_key` is None."""
+    or `x-api-key: <api_key>` (Anthropic's header; constant-time compare); no
+    check when `api_key` is None."""
 
     async def check(request: Request) -> None:
         if api_key is None:
             return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), api_key.encode()
-        ):
+        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+        keys = [bearer if scheme.lower() == "bearer" else "", request.headers.get("x-api-key", "")]
+        if not any(hmac.compare_digest(k.strip().encode(), api_key.encode()) for k in keys):
             metrics.count_request(Outcome.UNAUTHORIZED)
             raise APIError(
                 401,
-                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                 code="invalid_api_key",
             )
 

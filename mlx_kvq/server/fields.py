@@ -5,6 +5,8 @@ mlx_lm.server 0.32.2 reads, is here with its treatment:
 
 - `HONOURED`: it does what OpenAI or mlx_lm.server documents (values the
   server cannot honour, named in the note, are a 400 naming the field);
+- `APPROXIMATE`: honoured as closely as this server can, the note says how
+  (the Anthropic and Responses APIs only);
 - `REFUSED`: any value but the default is a 400 naming the field;
 - `IGNORED`: accepted, and on this documented list because it cannot change
   the output (bookkeeping for a hosted service: `user`, `metadata`, ...).
@@ -22,6 +24,7 @@ from enum import Enum
 
 class Treatment(str, Enum):
     HONOURED = "honoured"
+    APPROXIMATE = "honoured approximately"
     REFUSED = "400"
     IGNORED = "cannot change the output"
 

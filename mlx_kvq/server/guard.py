@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import error_response
+from .errors import error_response_for
 from .lifecycle import is_api_path
 
 ANY = "*"
@@ -205,6 +205,7 @@ async def _preflight(scope: dict, receive: Any, send: Any, origin: str, headers:
 
 
 async def _refuse(scope: dict, receive: Any, send: Any, status: int, message: str, code: str):
-    await error_response(status, message, code=code, headers={"Connection": "close"})(
-        scope, receive, send
+    response = error_response_for(
+        scope["path"], status, message, code=code, headers={"Connection": "close"}
     )
+    await response(scope, receive, send)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import error_response
+from .errors import error_response_for
 
 RETRY_AFTER_S = 5  # what a client is told to wait while the server shuts down
 BARE_API_PATHS = ("/chat/completions", "/completions")  # the API without /v1, as mlx_lm.server
@@ -38,8 +38,9 @@ class InFlightMiddleware:
             await self.app(scope, receive, send)
             return
         if self.lifecycle.draining:
-            response = error_response(
-                503, "the server is shutting down; retry on another instance or later",
+            response = error_response_for(
+                scope["path"], 503,
+                "the server is shutting down; retry on another instance or later",
                 code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)},
             )  # fmt: skip
             await response(scope, receive, send)

@@ -20,12 +20,16 @@ from mlx_kvq.kernels import native_status
 
 from .lifecycle import RETRY_AFTER_S
 from .prometheus import make_registry
+from .response_store import AgentCounters
 from .settings import ServerSettings
 
 
-def probes_router(engine: Engine, settings: ServerSettings) -> APIRouter:
+def probes_router(
+    engine: Engine, settings: ServerSettings, counters: AgentCounters | None = None
+) -> APIRouter:
     router = APIRouter()
-    registry = make_registry(engine, set(settings.plan.get("kinds", ())) or set(engine.plan.kinds))
+    kinds = set(settings.plan.get("kinds", ())) or set(engine.plan.kinds)
+    registry = make_registry(engine, kinds, counters)
 
     @router.get("/live")
     async def live() -> dict[str, str]:

@@ -16,6 +16,8 @@ from prometheus_client.registry import Collector
 
 from mlx_kvq.engine import Engine, Outcome, RankView, Rejection
 
+from .response_store import AgentCounters
+
 P = "mlx_kvq_"
 REQUEST_STATUSES = tuple(o.value for o in Outcome)
 REJECTION_REASONS = tuple(r.value for r in Rejection)
@@ -212,7 +214,35 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return c
 
 
-def make_registry(engine: Engine, kinds: set[str] | None = None) -> CollectorRegistry:
+class AgentCollector(Collector):
+    """The agent APIs' numbers: the response store and hosted tools left out."""
+
+    def __init__(self, counters: AgentCounters):
+        self.counters = counters
+
+    def collect(self) -> Iterator:
+        store = self.counters.store
+        yield _gauge("response_store_bytes", "Bytes held by stored responses", store.bytes)
+        yield _gauge("response_store_max_bytes", "Response store byte cap", store.max_bytes)
+        yield _gauge("response_store_entries", "Stored responses", len(store))
+        yield _counter(
+            "response_store_evictions", "Stored responses dropped for room", store.evictions
+        )
+        hosted = CounterMetricFamily(
+            P + "hosted_tools_ignored",
+            "Hosted tools (web_search, ...) in requests, left out of the prompt, by type",
+            labels=["type"],
+        )
+        for kind, n in sorted(self.counters.hosted_tools.items()):
+            hosted.add_metric([kind], float(n))
+        yield hosted
+
+
+def make_registry(
+    engine: Engine, kinds: set[str] | None = None, counters: AgentCounters | None = None
+) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine, kinds))
+    if counters is not None:
+        registry.register(AgentCollector(counters))
     return registry

@@ -9,6 +9,7 @@ from typing import Any
 from .guard import GuardPolicy
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+DEFAULT_RESPONSE_STORE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class ServerSettings:
     """The served model's id, auth, limits, sampling defaults and the plan it reports."""
 
     model_id: str
+    names_checked: bool = False  # --served-model-name given: every API checks `model`
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_tokens: int = 512
@@ -32,4 +34,5 @@ class ServerSettings:
     guard: GuardPolicy = field(default_factory=GuardPolicy)  # hosts and origins answered
     body_timeout: float | None = None  # seconds a request body may take to arrive
     prompt_workers: int = 2  # requests rendering and tokenizing prompts at once
+    response_store_bytes: int = DEFAULT_RESPONSE_STORE_BYTES  # stored /v1/responses, bytes
     created: int = field(default_factory=lambda: int(time.time()))
