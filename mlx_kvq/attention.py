@@ -363,8 +363,12 @@ def scaled_dot_product_attention(
         _counter[("cache", id(cache), packed)] += 1
     if mlx_lm_packed:
         # mlx-lm's own QuantizedKVCache (what `mx.quantize` returns, a list or
-        # a tuple): mlx-lm's own function, so its results stay bit for bit
-        return MLX_LM_ATTENTION(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        # a tuple): mlx-lm's own function, so its results stay bit for bit;
+        # with attention sinks, which mlx-lm's refuses, ours
+        if sinks is None:
+            return MLX_LM_ATTENTION(queries, keys, values, cache, scale=scale, mask=mask)
+        keys = QuantizedKV(*keys, cache.bits, cache.group_size)
+        values = QuantizedKV(*values, cache.bits, cache.group_size)
     if packed:
         return quantized_attention(queries, keys, values, scale, mask, sinks)
     return mx.fast.scaled_dot_product_attention(

@@ -182,7 +182,8 @@ def test_our_attention_runs_sinks_with_quantized_cache(models):
     model = models["gpt_oss"]
     prompt = prompt_tokens()[None, :12]
     ref = model(prompt, cache=mlx_cache.make_prompt_cache(model))
-    # mlx-lm's own quantized cache (packed tuples), through our attention.
+    # mlx-lm's own quantized cache (packed tuples), through our attention: mlx-lm's
+    # own function refuses sinks.
     cache = [mlx_cache.QuantizedKVCache(group_size=64, bits=8) for _ in model.layers]
     with attention.count_attention() as counts:
         out = model(prompt, cache=cache)
