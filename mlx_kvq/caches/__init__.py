@@ -7,13 +7,26 @@ from .chunked import KVQChunkedCache
 from .full import KVQBatchFullCache, KVQFullCache
 from .indexer import KVQBatchIndexerCache, KVQIndexerCache
 from .layer import KVQLayerCache
+from .paged import (
+    BlockPool,
+    KVQPagedFullCache,
+    KVQPagedSequence,
+    KVQPagedWindowCache,
+    PagedCache,
+    Pages,
+    PagesStats,
+)
 from .registry import (
     REGISTRY,
     is_twin,
     leaves,
     lookup,
+    mapped_blocks,
+    page_caches,
+    pages_slot,
     quantize_cache,
     register_for_prompt_files,
+    unpage_caches,
 )
 from .window import KVQBatchWindowCache, KVQWindowCache
 
@@ -24,6 +37,17 @@ from .window import KVQBatchWindowCache, KVQWindowCache
 register_for_prompt_files()
 
 __all__ = [
+    "BlockPool",
+    "KVQPagedFullCache",
+    "KVQPagedSequence",
+    "KVQPagedWindowCache",
+    "PagedCache",
+    "Pages",
+    "PagesStats",
+    "mapped_blocks",
+    "page_caches",
+    "pages_slot",
+    "unpage_caches",
     "DEQUANTIZED",
     "PACKED",
     "REGISTRY",
@@ -49,7 +73,7 @@ def _entry(c) -> dict:
     kind = lookup(c)
     name = kind.name if kind else type(c).__name__
     nbytes = c.nbytes if not c.empty() else 0
-    if isinstance(c, KVQCache):
+    if isinstance(c, (KVQCache, PagedCache)):
         return {"kind": name, "quantized": c.quantized, "nbytes": nbytes, "tokens": int(c.size())}
     tokens = c.size() if hasattr(c, "size") else 0
     return {"kind": name, "quantized": False, "nbytes": nbytes, "tokens": int(tokens)}

@@ -249,11 +249,12 @@ class BlockTable:
         return len(self.ids) * self.pool.block_bytes
 
 
-class _Paged(BaseCache):
+class PagedCache(BaseCache):
     """What the one-sequence and batch forms share: a pool and row tables."""
 
     kind = "full"
     bounded = False
+    shares_storage = True  # its bytes are the pool's: counted there, once
     window: int | None = None
     pool: BlockPool
     tables: list[BlockTable]
@@ -318,16 +319,55 @@ class _Paged(BaseCache):
         raise AttributeError("paged caches share a block pool: they have no state of their own")
 
 
-class KVQPagedSequence(_Paged):
+class KVQPagedSequence(PagedCache):
     """One sequence's tables in a pool: what the batch's `extract` returns, what
-    the prompt cache keeps, and what a sequence enters the batch with."""
+    the prompt cache keeps, and what a sequence enters the batch with.
+    `KVQPagedSequence(pool, window)` makes the form of its kind
+    (`KVQPagedFullSequence`, or `KVQPagedWindowSequence` with a window)."""
+
+    def __new__(cls, *args, **kwargs):
+        if cls is KVQPagedSequence:
+            window = kwargs.get("window", args[1] if len(args) > 1 else None)
+            cls = KVQPagedFullSequence if window is None else KVQPagedWindowSequence
+        return super().__new__(cls)
 
     def __init__(self, pool: BlockPool, window: int | None = None, table: BlockTable | None = None):
         self.pool = pool
         self.window = window
-        self.kind = "full" if window is None else "sliding"
-        self.bounded = window is not None
         self.tables = [table or BlockTable(pool)]
+
+    @classmethod
+    def holding(cls, pool: BlockPool, window: int | None, keys: Store, values: Store, end: int):
+        """A sequence whose tokens `[end - n, end)` are `keys`/`values` (1, H, n, D),
+        written into new blocks of `pool` (a cache of another layout, paged)."""
+        n = keys.length
+        start = end - n
+        table = BlockTable(pool, [], start - start % pool.block_size, start)
+        k = keys.quantize(pool.key_spec)
+        v = values.quantize(pool.value_spec)
+        if n:
+            blocks, slots = table.reserve(n, k, v)
+
+            def tokens(a: mx.array) -> mx.array:
+                return a[0].transpose(1, 0, 2)
+
+            pool.write(blocks, slots, k.map(tokens), v.map(tokens))
+        return cls(pool, window, table)
+
+    def held(self) -> tuple[Store, Store]:
+        """The tokens this sequence holds, `(1, H, n, D)` stores in pool order
+        (a gathered copy: for caches of another layout)."""
+        t = self.table
+        parts = []
+        for store in (self.pool.keys, self.pool.values):
+            view = PagedKV(
+                store.fetch(), (tuple(t.ids),), (t.base,), (t.length,), self.pool.block_size
+            )
+            row = view.row(0)
+            parts.append(
+                Store((row.data, row.scales, row.biases) if view.quantized else (row,), store.spec)
+            )
+        return parts[0], parts[1]
 
     @property
     def table(self) -> BlockTable:
@@ -363,7 +403,20 @@ class KVQPagedSequence(_Paged):
         return batch
 
 
-class KVQPagedFullCache(_Paged):
+class KVQPagedFullSequence(KVQPagedSequence):
+    kind = "full"
+
+
+class KVQPagedWindowSequence(KVQPagedSequence):
+    kind = "sliding"
+    bounded = True
+
+    @property
+    def max_size(self) -> int:
+        return self.window
+
+
+class KVQPagedFullCache(PagedCache):
     """A batch of full-attention rows over one pool; see the module docstring."""
 
     kind = "full"
@@ -474,7 +527,12 @@ class KVQPagedFullCache(_Paged):
         self._sync()
 
     def extract(self, idx: int) -> KVQPagedSequence:
-        return KVQPagedSequence(self.pool, self.window, self.tables[idx].copy())
+        """Row `idx` as one sequence sharing its blocks; a window keeps only what
+        its next token sees (a row holds a whole prompt chunk until its next step)."""
+        table = self.tables[idx].copy()
+        if self.window is not None:
+            table.drop_before(table.length - self.window + 1)
+        return KVQPagedSequence(self.pool, self.window, table)
 
     @classmethod
     def merge(cls, caches: list[KVQPagedSequence]):
@@ -501,3 +559,44 @@ class KVQPagedWindowCache(KVQPagedFullCache):
                 f"a mask window ({window_size}) narrower than the cache's ({self.window})"
             )
         return super().make_mask(N, return_array)
+
+
+@dataclass(frozen=True)
+class PagesStats:
+    """Blocks of every pool together."""
+
+    pools: int
+    capacity: int
+    used: int
+    shared: int
+    nbytes: int  # storage allocated
+    used_bytes: int  # bytes of the used blocks, each once
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+
+class Pages:
+    """The block pools of one model: one per paged cache slot (slot, member)."""
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
+        self.block_size = block_size
+        self.pools: dict[tuple[int, int | None], BlockPool] = {}
+
+    def pool(self, key: tuple[int, int | None], key_spec: QuantSpec, value_spec: QuantSpec):
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = self.pools[key] = BlockPool(self.block_size, key_spec, value_spec)
+        return pool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pools.values())
+
+    def stats(self) -> PagesStats:
+        s = [p.stats() for p in self.pools.values()]
+        return PagesStats(
+            len(s), sum(x.capacity for x in s), sum(x.used for x in s),
+            sum(x.shared for x in s), self.nbytes, sum(x.used * x.block_bytes for x in s),
+        )  # fmt: skip

@@ -69,7 +69,7 @@ from .coordinator import (
     WarmupVerdict,
 )
 from .memory import KVMemory, Need
-from .metrics import BudgetFigures, EngineMetrics
+from .metrics import BlockFigures, BudgetFigures, EngineMetrics
 from .processors import Grammars, make_processors
 from .prompt_cache import PromptCache
 from .requests import (
@@ -130,6 +130,7 @@ class EngineOptions:
     prompt_cache_bytes: int | None = None
     max_context: int | None = None
     kv_cache_memory: int | None = None  # KV memory budget in bytes (None: admit by count only)
+    block_size: int | None = 32  # tokens per block of the paged layout (None: padded rows)
     max_queued_requests: int | None = None  # waiting requests before a 429 (None: no limit)
     warmup_gate: str | None = None  # warm-up waits until this file exists (tests)
 
@@ -232,7 +233,10 @@ class Engine:
         self._eos_ids = frozenset(tokenizer.eos_token_ids)
         o = self.options
         self.runner = BatchRunner(
-            model, RunnerOptions(o.decode_concurrency, o.prompt_concurrency, o.prefill_step_size),
+            model,
+            RunnerOptions(
+                o.decode_concurrency, o.prompt_concurrency, o.prefill_step_size, o.block_size
+            ),
             self._eos, draft,
         )  # fmt: skip
         self.memory = KVMemory(
@@ -629,7 +633,15 @@ class Engine:
         checkpoints = () if resumed else self._checkpoints(seq.request)
         pieces, cuts = split_prompt(tokens, cached, checkpoints)
         seq.cuts = deque(cuts)
-        self.runner.insert(seq, pieces, cache, tokens[:cached], seq.max_tokens - len(seq.generated))
+        reused = self.runner.insert(
+            seq, pieces, cache, tokens[:cached], seq.max_tokens - len(seq.generated)
+        )
+        if reused:
+            self.metrics.count_prefix_blocks(reused)
+            log.info(
+                "request %d maps %d prefix blocks by reference (%d cached tokens)",
+                seq.id, reused, cached,
+            )  # fmt: skip
         if resumed:
             self.metrics.count_resumption()
             log.info(
@@ -694,7 +706,7 @@ class Engine:
         self.runner.lane.start(
             seq,
             prompt,
-            cache,
+            self.runner.for_lane(cache),
             cached,
             max_tokens=seq.max_tokens,
             num_draft_tokens=seq.request.draft_tokens,
@@ -927,6 +939,14 @@ class Engine:
             self._kv_fraction = (quantized, kv)
         if self.budget is not None:
             self.metrics.set_budget(BudgetFigures(**self.memory.figures()))
+        pages = self.runner.pages_stats()
+        if pages is not None:
+            self.metrics.set_blocks(
+                BlockFigures(
+                    self.runner.pages.block_size, pages.pools, pages.capacity, pages.used,
+                    pages.shared, pages.nbytes, pages.used_bytes,
+                )
+            )  # fmt: skip
         waiting = self.scheduler.waiting
         self.metrics.set_state(
             queue_depth=max(len(self._queued), len(waiting)),
@@ -984,7 +1004,7 @@ class Engine:
         uids = self.runner.generator.insert(
             prompts,
             max_tokens=[spec.max_tokens] * len(prompts),
-            caches=[self.plan.make_cache() for _ in prompts],
+            caches=[self.runner.for_batch(self.plan.make_cache()) for _ in prompts],
             samplers=[greedy_sampler] * len(prompts),
             stop_sequences=[StopSequences()] * len(prompts),  # no EOS: run every step
         )

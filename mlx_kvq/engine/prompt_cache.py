@@ -44,6 +44,8 @@ def own_copy(cache: list[Any]) -> None:
     cache's `state` makes `nbytes` the memory really held.
     """
     for c in cache:
+        if getattr(c, "shares_storage", False):  # blocks of a pool: nothing to compact
+            continue
         try:
             c.state = tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, c.state)
         except AttributeError:  # a cache without a state setter keeps its arrays

@@ -23,6 +23,7 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from mlx_kvq.caches import Pages, PagesStats, mapped_blocks, page_caches, unpage_caches
 from mlx_kvq.mlx_lm_internals import batch_caches, pending_token
 
 from .scheduler import Sequence
@@ -57,6 +58,7 @@ class RunnerOptions:
     decode_rows: int = 32
     prompt_rows: int = 8
     prefill_step: int = 2048
+    block_size: int | None = 32  # tokens per block of the paged layout (None: padded rows)
 
 
 class BatchRunner:
@@ -69,6 +71,9 @@ class BatchRunner:
         self.options = options
         self.eos = eos
         self.rows: dict[int, Sequence] = {}  # by batch uid
+        # The paged layout: block pools of the layers that page (None: mlx-lm's
+        # left-padded rows for every layer).
+        self.pages = None if options.block_size is None else Pages(options.block_size)
         self.lane = None if draft is None else SpeculativeLane(model, draft, options.prefill_step)
         self._bg: BatchGenerator | None = None
 
@@ -92,6 +97,18 @@ class BatchRunner:
     def generator(self) -> BatchGenerator | None:
         return self._bg
 
+    def for_batch(self, cache: list) -> list:
+        """`cache` in the batch's layout: pageable slots in the block pools (a
+        paged cache from the prompt cache already maps its blocks there)."""
+        return cache if self.pages is None else page_caches(cache, self.pages)
+
+    def for_lane(self, cache: list) -> list:
+        """`cache` in the layout the speculative lane runs (its own caches)."""
+        return cache if self.pages is None else unpage_caches(cache)
+
+    def pages_stats(self) -> PagesStats | None:
+        return None if self.pages is None else self.pages.stats()
+
     def insert(
         self,
         seq: Sequence,
@@ -100,9 +117,12 @@ class BatchRunner:
         held: list[int],
         max_tokens: int,
         stop: StopSequences | None = None,
-    ) -> None:
+    ) -> int:
         """Add `seq` to the batch: `cache` holds `held`, `pieces` are the tokens
-        still to process (the last one starts decoding)."""
+        still to process (the last one starts decoding). Returns the pool
+        blocks it maps by reference (a paged prompt-cache copy's)."""
+        reused = mapped_blocks(cache)
+        cache = self.for_batch(cache)
         (uid,) = self._bg.insert_segments(
             [pieces],
             max_tokens=[max_tokens],
@@ -114,6 +134,7 @@ class BatchRunner:
         )
         seq.uid = uid
         self.rows[uid] = seq
+        return reused
 
     def remove(self, seqs: list[Sequence], keep_caches: bool = False) -> dict[int, tuple]:
         """Take `seqs` out of the batch; their (cache, tokens) by request id
@@ -164,9 +185,15 @@ class BatchRunner:
         return batch + (self.lane.caches() if self.lane_busy else [])
 
     def live_bytes(self) -> int:
-        """KV bytes live sequences hold (batch, lane, draft model), measured."""
+        """KV bytes live sequences hold (batch, lane, draft model), measured;
+        with the paged layout, the block pools' storage (each block once,
+        free blocks too, prompt-cache blocks too) and the other layers' caches."""
+        lane = self.lane.nbytes if self.lane_busy else 0
+        if self.pages is not None:
+            own = sum(c.nbytes for c in self.caches() if not getattr(c, "shares_storage", False))
+            return self.pages.nbytes + own + lane
         batch = 0 if self._bg is None else self._bg.prompt_cache_nbytes
-        return batch + (self.lane.nbytes if self.lane_busy else 0)
+        return batch + lane
 
     # ------------------------------------------------------------ the lane
     def lane_step(self) -> LaneWork:
