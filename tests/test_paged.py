@@ -213,7 +213,8 @@ def _run(kspec, vspec, window, block, script, seed, native) -> BlockPool:
             pair.ours.extend(KVQPagedSequence.merge([one]))
             pair.ref.extend(type(ref_one).merge([ref_one]))
         elif op == "trim" and b:
-            if window is None:
+            # (mlx-lm trims a padded buffer: a row shorter than `arg` would go negative)
+            if window is None and arg < min(t.length for t in pair.ours.tables):
                 assert pair.ours.trim(arg) == pair.ref.trim(arg)
         elif op == "copy":
             pair.ours = copy.deepcopy(pair.ours)  # the original is dropped: its blocks go back

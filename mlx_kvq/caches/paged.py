@@ -58,7 +58,7 @@ class BlockPool:
 
     Storage is `(blocks, block_size, heads, dim)` per part, made at the first
     allocation (heads, dims and dtypes come from the first tokens written)
-    and grown by an eighth (at least `min_growth` blocks) when no block is
+    and grown by a sixteenth (at least `min_growth` blocks) when no block is
     free, never past `max_blocks` when that is set.
     """
 
@@ -69,7 +69,7 @@ class BlockPool:
         value_spec: QuantSpec,
         *,
         max_blocks: int | None = None,
-        min_growth: int = 8,
+        min_growth: int = 1,
     ):
         if block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
@@ -113,7 +113,7 @@ class BlockPool:
 
     def _grow(self, k: Store, v: Store) -> None:
         cap = self.capacity
-        add = max(self.min_growth, cap // 8)
+        add = max(self.min_growth, cap // 16)
         if self.max_blocks is not None:
             add = min(add, self.max_blocks - cap)
         if add <= 0:
@@ -151,6 +151,10 @@ class BlockPool:
                 self._free.append(b)
             elif self.refs[b] < 0:
                 raise RuntimeError(f"block {b} released more often than referenced")
+        if blocks and len(self._free) == len(self.refs):
+            # nothing refers to any block: the storage goes
+            self.keys = self.values = None
+            self.refs, self._free = [], []
 
     def copy_block(self, block: int, k: Store, v: Store) -> int:
         """A private copy of `block` (copy on write); the caller drops its reference."""
@@ -249,6 +253,15 @@ class BlockTable:
         return len(self.ids) * self.pool.block_bytes
 
 
+def _depending(value, current: Store | None) -> Store | None:
+    """A pool store given back as `mx.depends` returns it (its arrays)."""
+    if value is None or isinstance(value, Store) or current is None:
+        return value if isinstance(value, Store) or value is None else current
+    if isinstance(value, (list, tuple)) and len(value) == len(current.parts):
+        return Store(value, current.spec)
+    raise TypeError(f"a paged cache's keys/values take the pool's arrays back, got {type(value)}")
+
+
 class PagedCache(BaseCache):
     """What the one-sequence and batch forms share: a pool and row tables."""
 
@@ -291,6 +304,25 @@ class PagedCache(BaseCache):
 
     def empty(self) -> bool:
         return all(t.length == 0 for t in self.tables)
+
+    # Model code that orders work by dependencies (mlx-lm's pipeline stages,
+    # sparse-attention indexers) reads `cache.keys` and writes back
+    # `mx.depends(cache.keys, x)`: the pool's arrays, with the dependency.
+    @property
+    def keys(self) -> Store | None:
+        return self.pool.keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self.pool.keys = _depending(value, self.pool.keys)
+
+    @property
+    def values(self) -> Store | None:
+        return self.pool.values
+
+    @values.setter
+    def values(self, value) -> None:
+        self.pool.values = _depending(value, self.pool.values)
 
     def release(self) -> None:
         """Return every block now (also done when the cache is dropped)."""
@@ -593,6 +625,20 @@ class Pages:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.pools.values())
+
+    def held_bytes(self, caches: list) -> int:
+        """Bytes of the blocks `caches` (and their members) refer to, each once."""
+        blocks: dict[int, set[int]] = {}
+        pools: dict[int, BlockPool] = {}
+        stack = list(caches)
+        while stack:
+            c = stack.pop()
+            if isinstance(c, PagedCache):
+                pools[id(c.pool)] = c.pool
+                blocks.setdefault(id(c.pool), set()).update(c.blocks())
+            elif hasattr(c, "caches"):
+                stack.extend(c.caches)
+        return sum(len(ids) * pools[k].block_bytes for k, ids in blocks.items())
 
     def stats(self) -> PagesStats:
         s = [p.stats() for p in self.pools.values()]

@@ -194,6 +194,19 @@ def register_for_prompt_files() -> None:
 
 
 # -- the paged layout -------------------------------------------------------------
+# Models whose attention takes mask arrays it builds itself, laid out for a
+# padded batch: their layers keep the padded layout (paged attention derives
+# masks from positions).
+UNPAGED_MODELS: dict[str, str] = {
+    "minimax_m3_vl": "its sparse attention passes its own top-k mask arrays",
+}
+
+
+def paging_refusal(model_type: str) -> str | None:
+    """Why a model keeps the padded layout (None: its pageable layers page)."""
+    return UNPAGED_MODELS.get(model_type)
+
+
 def pages_slot(cache) -> bool:
     """Whether `cache` (one leaf) goes into a block pool: a kind declared
     `paged`, handing attention packed K/V (attention reads `PagedKV`), stored

@@ -91,7 +91,7 @@ from .requests import (
     TokenEvent,
     Usage,
 )
-from .runner import BatchRunner, RunnerOptions
+from .runner import BatchRunner, RunnerOptions, choose_layout
 from .sampling import Guarded, SamplerPool, top_logprobs
 from .scheduler import Limits, RequestStatus, Scheduler, Sequence, StepPlan
 from .segments import split_prompt
@@ -203,6 +203,8 @@ class Engine:
         self._inbox: queue.Queue[Message] = queue.Queue()
         self._sinks: dict[int, EventSink] = {}  # submitted requests not yet accepted
         self._queued: set[int] = set()  # ids submitted here and not yet admitted or ended
+        self.layout = choose_layout(plan, self.options.block_size)
+        log.info("KV layout of the batch: %s", self.layout.description)
         ledger: Ledger | None = None
         self.capacity: Capacity | None = None
         if self.options.kv_cache_memory is not None:
@@ -210,6 +212,7 @@ class Engine:
                 plan, self.options.kv_cache_memory,
                 prefill_step=self.options.prefill_step_size,
                 prompt_rows=self.options.prompt_concurrency,
+                paged=self.layout.paged, block_size=self.layout.block_size or 0,
             )  # fmt: skip
             ledger = Ledger([share])
             self.capacity = ledger.capacity(capacity_tokens(self.max_context), self.max_context)
@@ -221,6 +224,13 @@ class Engine:
                 draft.plan, prefill_step=self.options.prefill_step_size, prompt_rows=1
             )
         )
+        # the speculative lane runs the model's own caches, not the block pools
+        lane_cost = (
+            None
+            if draft_cost is None or self.layout.block_size is None
+            else CostModel.from_plan(plan, prefill_step=self.options.prefill_step_size,
+                                     prompt_rows=1)
+        )  # fmt: skip
         # mlx_lm.server's XTC special tokens: the newline's tokens and EOS
         self._samplers = SamplerPool(
             xtc_special=(*tokenizer.encode("\n"), *tokenizer.eos_token_ids)
@@ -235,13 +245,16 @@ class Engine:
         self.runner = BatchRunner(
             model,
             RunnerOptions(
-                o.decode_concurrency, o.prompt_concurrency, o.prefill_step_size, o.block_size
-            ),
+                o.decode_concurrency, o.prompt_concurrency, o.prefill_step_size,
+                self.layout.block_size,
+            ),  # fmt: skip
             self._eos, draft,
         )  # fmt: skip
         self.memory = KVMemory(
             ledger, self.prompt_cache, prompt_cache_bytes=o.prompt_cache_bytes,
             draft_cost=draft_cost, live_bytes=self.runner.live_bytes,
+            cached_bytes=self._cached_bytes if self.runner.pages is not None else None,
+            lane_cost=lane_cost,
         )  # fmt: skip
         self.scheduler = Scheduler(
             Limits(o.decode_concurrency, o.prompt_concurrency), self.memory, lane=draft is not None
@@ -910,6 +923,12 @@ class Engine:
         )  # fmt: skip
 
     # ------------------------------------------------------- memory and metrics
+    def _cached_bytes(self) -> int:
+        """What the prompt cache holds beyond the live sequences, paged layout:
+        its entries' own caches, the pool blocks no live sequence refers to and
+        the pools' free blocks."""
+        return self.prompt_cache.storage_nbytes() + self.runner.pool_rest_bytes()
+
     def live_kv_bytes(self) -> int:
         """KV bytes live sequences hold (batch, lane, draft model), measured."""
         return self.runner.live_bytes()

@@ -73,6 +73,8 @@ class KVMemory:
         prompt_cache_bytes: int | None = None,
         draft_cost: CostModel | None = None,
         live_bytes: Callable[[], int] = lambda: 0,
+        cached_bytes: Callable[[], int] | None = None,
+        lane_cost: CostModel | None = None,
         reserve: int = DECODE_RESERVE,
     ):
         self.ledger = ledger
@@ -80,6 +82,10 @@ class KVMemory:
         self.prompt_cache_bytes = prompt_cache_bytes
         self.draft_cost = draft_cost
         self.live_bytes = live_bytes
+        self.lane_cost = lane_cost  # the model's caches on the lane, when priced apart
+        # what the prompt cache holds beyond the live sequences (the paged
+        # layout: its own caches, and pool blocks no live sequence refers to)
+        self.cached_bytes = cached_bytes or (lambda: prompt_cache.nbytes)
         self.reserve = max(1, reserve)
         self.serving = False  # live sequences exist to cap the prompt cache by (mlx-lm's rule)
 
@@ -90,7 +96,12 @@ class KVMemory:
         shape = Shape(need.prompt + need.keep, total + need.keep)
         if not need.keep or self.draft_cost is None:
             return shape, None
-        return shape, self.draft_cost.bound([shape])
+        extra = self.draft_cost.bound([shape])
+        if self.lane_cost is not None:
+            # the lane runs the model's caches in their own layout, not in blocks
+            batch = self.ledger.share.cost.bound([shape])
+            extra += max(0, self.lane_cost.bound([shape]) - batch)
+        return shape, extra
 
     def first_shape(self, need: Need) -> Shape:
         """What a sequence is admitted with: its prompt and the decode reserve."""
@@ -223,7 +234,7 @@ class KVMemory:
         if self.ledger is None or not self.serving:
             return
         live = self.live_bytes()
-        held = self.prompt_cache.nbytes
+        held = self.cached_bytes()
         if not self.ledger.check(live, held):
             log.error(
                 "KV budget exceeded: live %d + prompt cache %d bytes, budget %d, "
@@ -236,7 +247,7 @@ class KVMemory:
         b = self.ledger
         return {
             "budget": b.budget, "reserved": b.reserved(), "live": b.last_live,
-            "prompt_cache": self.prompt_cache.nbytes, "peak_held": b.peak_held,
+            "prompt_cache": self.cached_bytes(), "peak_held": b.peak_held,
             "overruns": b.overruns, "bound_misses": b.bound_misses, "admitted": len(b.shapes),
         }  # fmt: skip
 

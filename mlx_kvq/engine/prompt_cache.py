@@ -36,6 +36,18 @@ def cache_nbytes(cache: list[Any]) -> int:
     return sum(int(c.nbytes) for c in cache)
 
 
+def storage_nbytes(cache: list[Any]) -> int:
+    """Bytes of the caches that hold their own storage (leaves of a block pool,
+    `shares_storage`, are counted with their pool)."""
+    total = 0
+    for c in cache:
+        if getattr(c, "shares_storage", False):
+            continue
+        members = getattr(c, "caches", None)
+        total += storage_nbytes(members) if isinstance(members, (list, tuple)) else int(c.nbytes)
+    return total
+
+
 def own_copy(cache: list[Any]) -> None:
     """Give each cache compact arrays of its own, in place.
 
@@ -216,6 +228,11 @@ class PromptCache:
             self._nbytes += nbytes
             self._evict(cap)
         return True
+
+    def storage_nbytes(self) -> int:
+        """Bytes the entries hold outside block pools (see `storage_nbytes`)."""
+        with self._lock:
+            return sum(storage_nbytes(e.cache) for e in self._entries.values())
 
     def token_counts(self) -> list[int]:
         """How many tokens each entry covers."""

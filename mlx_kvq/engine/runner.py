@@ -23,7 +23,14 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from mlx_kvq.caches import Pages, PagesStats, mapped_blocks, page_caches, unpage_caches
+from mlx_kvq.caches import (
+    Pages,
+    PagesStats,
+    mapped_blocks,
+    page_caches,
+    paging_refusal,
+    unpage_caches,
+)
 from mlx_kvq.mlx_lm_internals import batch_caches, pending_token
 
 from .scheduler import Sequence
@@ -51,6 +58,37 @@ class BatchStep:
     prompt_time: float
     generation_tokens: int
     decode_time: float
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the batch lays out K/V: block pools for the layers in `paged`
+    ((slot, member) keys), mlx-lm's left-padded rows for the others."""
+
+    block_size: int | None  # None: padded rows for every layer
+    paged: frozenset
+    description: str
+
+
+def choose_layout(plan: Any, block_size: int | None) -> Layout:
+    """The paged layout for every layer of `plan` whose kind pages (declared in
+    the registry), unless `block_size` is None or the model is declared unpaged."""
+    if block_size is None:
+        return Layout(None, frozenset(), "padded rows (paging turned off)")
+    refusal = paging_refusal(plan.model_type)
+    if refusal:
+        return Layout(None, frozenset(), f"padded rows: {plan.model_type} {refusal}")
+    probe = Pages(block_size)
+    page_caches(plan.make_cache(), probe)
+    kv = len(plan.kv_layers)
+    if not probe.pools:
+        return Layout(None, frozenset(), "padded rows: none of its KV layers pages")
+    return Layout(
+        block_size,
+        frozenset(probe.pools),
+        f"paged: {len(probe.pools)} of {kv} KV layers in blocks of {block_size} tokens"
+        + ("" if len(probe.pools) == kv else "; the others keep padded rows"),
+    )
 
 
 @dataclass(frozen=True)
@@ -108,6 +146,13 @@ class BatchRunner:
 
     def pages_stats(self) -> PagesStats | None:
         return None if self.pages is None else self.pages.stats()
+
+    def pool_rest_bytes(self) -> int:
+        """Pool bytes no live sequence refers to: blocks only prompt-cache entries
+        refer to, and free blocks (0 without the paged layout)."""
+        if self.pages is None:
+            return 0
+        return self.pages.nbytes - self.pages.held_bytes(self.caches())
 
     def insert(
         self,
@@ -186,12 +231,13 @@ class BatchRunner:
 
     def live_bytes(self) -> int:
         """KV bytes live sequences hold (batch, lane, draft model), measured;
-        with the paged layout, the block pools' storage (each block once,
-        free blocks too, prompt-cache blocks too) and the other layers' caches."""
+        with the paged layout, the pool blocks their tables refer to (each
+        block once) and the other layers' caches."""
         lane = self.lane.nbytes if self.lane_busy else 0
         if self.pages is not None:
-            own = sum(c.nbytes for c in self.caches() if not getattr(c, "shares_storage", False))
-            return self.pages.nbytes + own + lane
+            batch = [] if self._bg is None else batch_caches(self._bg)
+            own = sum(c.nbytes for c in batch if not getattr(c, "shares_storage", False))
+            return self.pages.held_bytes(batch) + own + lane
         batch = 0 if self._bg is None else self._bg.prompt_cache_nbytes
         return batch + lane
 
