@@ -11,11 +11,14 @@ import pytest
 from kvq_testing.events import WAIT_S, Collector
 from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
+from prometheus_client import generate_latest
 
 from mlx_kvq.attention import count_attention
 from mlx_kvq.config import KVConfig
 from mlx_kvq.engine import Engine, EngineOptions, GenerationRequest, SamplingParams
 from mlx_kvq.plan import plan_kv
+from mlx_kvq.server.prometheus import make_registry
+from mlx_kvq.server.web import blocks_status
 
 
 @pytest.fixture(scope="module")
@@ -98,5 +101,12 @@ def test_a_shared_prefix_is_mapped_by_reference(loaded):
         # the 2 full-attention layers, for each of 16 sequences
         assert reused >= 16 * 2 * 10
         assert before.shared > 0
+        # what /status and /metrics show
+        status = blocks_status(eng.metrics.snapshot())
+        assert status["prefix_blocks_reused"] == reused and status["block_size"] == 4
+        assert status["used"] + status["free"] == status["capacity"] > 0
+        text = generate_latest(make_registry(eng)).decode()
+        assert f"mlx_kvq_kv_prefix_blocks_reused_total {float(reused)}" in text
+        assert "mlx_kvq_kv_blocks_shared " in text
     finally:
         eng.stop()

@@ -126,6 +126,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "from the machine, less the weights, and printed at startup)",
     )
     p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=32,
+        help="tokens per block of the paged KV layout (full-attention and sliding-window "
+        "layers held in blocks, shared prompt prefixes held once); 0 keeps mlx-lm's "
+        "left-padded rows (default: 32)",
+    )
+    p.add_argument(
         "--max-queued-requests",
         type=int,
         default=DEFAULT_MAX_QUEUED,
@@ -184,6 +192,8 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise ValueError("--max-queued-requests must be at least 1")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be >= 0")
+    if args.kv_block_size < 0:
+        raise ValueError("--kv-block-size must be >= 0 (0: padded rows)")
     check_template_kwargs(args.chat_template_args, "--chat-template-args")
 
 
@@ -219,6 +229,7 @@ def engine_options(
         prompt_cache_bytes=args.prompt_cache_bytes,
         max_context=max_context,
         kv_cache_memory=kv_cache_memory,
+        block_size=args.kv_block_size or None,
         max_queued_requests=args.max_queued_requests,
         warmup_gate=warmup_gate,
     )
