@@ -63,6 +63,7 @@ class Shape:
 
     prompt: int
     total: int
+    shared: int = 0  # leading tokens of full-attention blocks mapped by reference (paged)
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,9 @@ class CostModel:
         for s in self.slots:
             if not s.paged:
                 continue
-            blocks = -(-shape.total // bs)
+            blocks = -(-(shape.total - shape.shared) // bs)
             if s.window is not None:
+                blocks = -(-shape.total // bs)
                 chunk = min(self.prefill_step, shape.prompt) if prompting else 1
                 blocks = min(blocks, -(-(s.window - 1 + chunk) // bs) + 1)
             total += self.slot_bytes(s, blocks * bs)
@@ -423,7 +425,8 @@ class Ledger:
     def grow(self, request_id: int, total: int, extra_bytes: int | None = None) -> bool:
         """Let an admitted sequence reach `total` tokens (and hold `extra_bytes`
         besides, when given) if every rank still fits; False otherwise."""
-        shape = Shape(self.shapes[request_id].prompt, total)
+        held = self.shapes[request_id]
+        shape = Shape(held.prompt, total, held.shared)
         more = 0 if extra_bytes is None else extra_bytes - self.extras.get(request_id, 0)
         if not all(
             self._bound(s, swap=(request_id, shape), extra=more) <= s.budget for s in self.shares

@@ -48,7 +48,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import StopSequences
 from mlx_lm.sample_utils import greedy_sampler
 
-from mlx_kvq.caches import KVQWindowCache, cache_report
+from mlx_kvq.caches import KVQWindowCache, cache_report, mapped_blocks
 from mlx_kvq.config import KVConfig
 from mlx_kvq.plan import KV_KINDS, KVPlan
 
@@ -255,6 +255,7 @@ class Engine:
             draft_cost=draft_cost, live_bytes=self.runner.live_bytes,
             cached_bytes=self._cached_bytes if self.runner.pages is not None else None,
             lane_cost=lane_cost,
+            shared_prefix=self._shared_prefix if self._all_paged() else None,
         )  # fmt: skip
         self.scheduler = Scheduler(
             Limits(o.decode_concurrency, o.prompt_concurrency), self.memory, lane=draft is not None
@@ -923,6 +924,25 @@ class Engine:
         )  # fmt: skip
 
     # ------------------------------------------------------- memory and metrics
+    def _all_paged(self) -> bool:
+        """Every KV layer is in block pools (a prefix mapped by reference then holds
+        nothing twice)."""
+        kv = {(p.slot, p.member) for p in self.plan.kv_layers}
+        return bool(kv) and kv <= self.layout.paged
+
+    def _shared_prefix(self, request_id: int) -> tuple[tuple[int, ...], int] | None:
+        """The prompt-cache entry a waiting request will map by reference, and the
+        whole blocks of tokens it shares with it (None if none)."""
+        seq = next((s for s in self.scheduler.waiting if s.id == request_id), None)
+        if seq is None:
+            return None
+        found = self.prompt_cache.peek(seq.tokens)
+        if found is None or mapped_blocks(found[2]) == 0:
+            return None
+        key, n, _ = found
+        n -= n % self.layout.block_size
+        return (key[:n], n) if n else None
+
     def _cached_bytes(self) -> int:
         """What the prompt cache holds beyond the live sequences, paged layout:
         its entries' own caches, the pool blocks no live sequence refers to and

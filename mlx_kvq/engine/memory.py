@@ -75,6 +75,7 @@ class KVMemory:
         live_bytes: Callable[[], int] = lambda: 0,
         cached_bytes: Callable[[], int] | None = None,
         lane_cost: CostModel | None = None,
+        shared_prefix: Callable[[int], tuple[tuple[int, ...], int] | None] | None = None,
         reserve: int = DECODE_RESERVE,
     ):
         self.ledger = ledger
@@ -83,6 +84,12 @@ class KVMemory:
         self.draft_cost = draft_cost
         self.live_bytes = live_bytes
         self.lane_cost = lane_cost  # the model's caches on the lane, when priced apart
+        # The paged layout: the prompt-cache prefix (key, whole blocks of tokens) a
+        # waiting request will map by reference. Its blocks are priced once, however
+        # many sequences map them, and each sequence for its own tokens only.
+        self.shared_prefix = shared_prefix
+        self._credit: dict[int, tuple[tuple[int, ...], int]] = {}
+        self._pins: dict[tuple[int, ...], int] = {}
         # what the prompt cache holds beyond the live sequences (the paged
         # layout: its own caches, and pool blocks no live sequence refers to)
         self.cached_bytes = cached_bytes or (lambda: prompt_cache.nbytes)
@@ -91,9 +98,11 @@ class KVMemory:
 
     # ------------------------------------------------------------ sequences
     def _shape(self, need: Need, total: int) -> tuple[Shape, int | None]:
-        """The ledger's shape for `need` reaching `total` tokens, and the bytes its
-        draft model's caches hold on the lane (None in the batch)."""
-        shape = Shape(need.prompt + need.keep, total + need.keep)
+        """The ledger's shape for `need` reaching `total` tokens (less a prefix it
+        maps by reference), and the bytes its draft model's caches hold on the
+        lane (None in the batch)."""
+        shared = self._credit.get(need.request_id, ((), 0))[1]
+        shape = Shape(need.prompt + need.keep, total + need.keep, shared)
         if not need.keep or self.draft_cost is None:
             return shape, None
         extra = self.draft_cost.bound([shape])
@@ -110,13 +119,32 @@ class KVMemory:
     def _first_total(self, need: Need) -> int:
         return max(need.prompt + need.step, min(need.limit, need.prompt + self.reserve))
 
+    @staticmethod
+    def _pin_id(key: tuple[int, ...]) -> int:
+        """The ledger's extras entry of a pinned prefix (never a request id)."""
+        return -1 - (hash(key) & 0x7FFFFFFFFFFF)
+
     def admit(self, need: Need, lane: bool = False) -> bool:
         if self.ledger is None:
             return True
+        prefix = None
+        if not lane and self.shared_prefix is not None and not self.group:
+            prefix = self.shared_prefix(need.request_id)
+        pin = 0
+        if prefix is not None:
+            key, tokens = prefix
+            self._credit[need.request_id] = prefix
+            if key not in self._pins:
+                pin = self.ledger.share.cost.bound([Shape(tokens, tokens)], [])
         shape, extra = self._shape(need, self._first_total(need))
-        if not self.ledger.fits(shape, extra or 0):
+        if not self.ledger.fits(shape, (extra or 0) + pin):
+            self._credit.pop(need.request_id, None)
             return False
         self.ledger.reserve(need.request_id, shape, extra or 0)
+        if prefix is not None:
+            self._pins[prefix[0]] = self._pins.get(prefix[0], 0) + 1
+            if pin:
+                self.ledger.extras[self._pin_id(prefix[0])] = pin
         return True
 
     def grow(self, need: Need) -> bool:
@@ -137,6 +165,13 @@ class KVMemory:
     def release(self, request_id: int, after_step: bool = False) -> None:
         if self.ledger is not None:
             self.ledger.release(request_id, after_step)
+        prefix = self._credit.pop(request_id, None)
+        if prefix is not None:
+            self._pins[prefix[0]] -= 1
+            if not self._pins[prefix[0]]:
+                del self._pins[prefix[0]]
+                if self.ledger is not None:
+                    self.ledger.extras.pop(self._pin_id(prefix[0]), None)
 
     def prompt_done(self, request_id: int) -> None:
         if self.ledger is not None:
@@ -157,6 +192,8 @@ class KVMemory:
     def clear(self) -> None:
         if self.ledger is not None:
             self.ledger.clear()
+        self._credit.clear()
+        self._pins.clear()
 
     # ------------------------------------------------------------ the prompt cache
     @property

@@ -164,6 +164,13 @@ class PromptCache:
             if key is not None:
                 self._use(key)
 
+    def peek(self, tokens: list[int]) -> tuple[tuple[int, ...], int, list[Any]] | None:
+        """The entry `fetch(tokens)` would use: its key, the tokens it covers for
+        `tokens`, and its caches (not copied; None when none matches)."""
+        with self._lock:
+            key, n, _ = self._best(tokens)
+            return None if key is None else (key, n, self._entries[key].cache)
+
     def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         """A private copy of the best cache for `tokens` and how many tokens it covers.
 
