@@ -326,6 +326,25 @@ def test_window_rows_return_blocks_beyond_the_window():
     assert pool.used <= 3 * 3
 
 
+def test_compaction_gives_back_free_blocks_and_renumbers_tables():
+    pool = BlockPool(4, QuantSpec(4), QuantSpec(8))
+    data = Data(5)
+    batch = _batch(pool, rows=3)
+    batch.update_and_fetch(*data.kv(3, 40))  # 10 blocks a row, interleaved
+    entry = batch.extract(2)
+    before = [batch.keys_and_values()[0].row(i) for i in (0, 2)]
+    batch.filter([0, 2])  # row 1's blocks are free, between used ones
+    capacity = pool.capacity
+    pool.compact()
+    assert pool.capacity == pool.used == 20 < capacity
+    after = [batch.keys_and_values()[0].row(i) for i in (0, 1)]
+    for a, b in zip(before, after, strict=True):
+        assert mx.array_equal(a.data, b.data).item() and mx.array_equal(a.scales, b.scales).item()
+    assert entry.table.ids == batch.tables[1].ids  # the entry was renumbered alike
+    _check_pool(pool, [batch, entry])
+    assert pool.refs == [2 if b in entry.table.ids else 1 for b in range(20)]
+
+
 def test_a_capped_pool_refuses_rather_than_grows():
     pool = BlockPool(4, QuantSpec(4), QuantSpec(4), max_blocks=2, min_growth=1)
     batch = _batch(pool)

@@ -23,6 +23,8 @@ keeps) only hold tables: the batch computes.
 
 from __future__ import annotations
 
+import heapq
+import weakref
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -82,6 +84,7 @@ class BlockPool:
         self.values: Store | None = None
         self.refs: list[int] = []
         self._free: list[int] = []
+        self._tables: weakref.WeakSet[BlockTable] = weakref.WeakSet()  # to renumber
 
     # -- storage --------------------------------------------------------------
     @property
@@ -129,14 +132,15 @@ class BlockPool:
             self.keys = Store.concat([self.keys, new_k], axis=0)
             self.values = Store.concat([self.values, new_v], axis=0)
         self.refs.extend([0] * add)
-        self._free.extend(range(cap + add - 1, cap - 1, -1))
+        for b in range(cap, cap + add):
+            heapq.heappush(self._free, b)
 
     # -- blocks ---------------------------------------------------------------
     def allocate(self, k: Store, v: Store) -> int:
         """A free block with one reference (`k`/`v`: stores shaped like what is written)."""
         if not self._free:
             self._grow(k, v)
-        block = self._free.pop()
+        block = heapq.heappop(self._free)  # the lowest: used blocks gather at the front
         self.refs[block] = 1
         return block
 
@@ -148,13 +152,36 @@ class BlockPool:
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:
-                self._free.append(b)
+                heapq.heappush(self._free, b)
             elif self.refs[b] < 0:
                 raise RuntimeError(f"block {b} released more often than referenced")
         if blocks and len(self._free) == len(self.refs):
             # nothing refers to any block: the storage goes
             self.keys = self.values = None
             self.refs, self._free = [], []
+
+    def compact(self) -> None:
+        """Give back free blocks once they are more than a growth step (a
+        prefill's transient, sequences that left): the used blocks move to the
+        front (a copy of the storage) and every table is renumbered. Call it
+        between steps, never while a table's block ids are being used."""
+        if self.keys is None:
+            return
+        used = [b for b, r in enumerate(self.refs) if r]
+        if len(self.refs) - len(used) <= max(self.min_growth, len(used) // 16):
+            return
+        if used == list(range(len(used))):  # the free blocks are the tail
+            self.keys = self.keys.map(lambda a: mx.array(a[: len(used)]))
+            self.values = self.values.map(lambda a: mx.array(a[: len(used)]))
+        else:
+            ids = mx.array(used, dtype=mx.int32)
+            self.keys = self.keys.map(lambda a: a[ids])
+            self.values = self.values.map(lambda a: a[ids])
+            new = {b: i for i, b in enumerate(used)}
+            for t in list(self._tables):
+                t.ids = [new[b] for b in t.ids]
+        self.refs = [self.refs[b] for b in used]
+        self._free = []
 
     def copy_block(self, block: int, k: Store, v: Store) -> int:
         """A private copy of `block` (copy on write); the caller drops its reference."""
@@ -185,7 +212,7 @@ class BlockTable:
     multiple of the block size. Returns its blocks to the pool when released
     or dropped."""
 
-    __slots__ = ("base", "ids", "length", "pool")
+    __slots__ = ("__weakref__", "base", "ids", "length", "pool")
 
     def __init__(
         self, pool: BlockPool, ids: list[int] | None = None, base: int = 0, length: int = 0
@@ -194,6 +221,7 @@ class BlockTable:
         self.ids = ids or []
         self.base = base
         self.length = length
+        pool._tables.add(self)
 
     def copy(self) -> BlockTable:
         """A table sharing these blocks (one more reference to each)."""
@@ -625,6 +653,11 @@ class Pages:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.pools.values())
+
+    def compact(self) -> None:
+        """Every pool gives back its free blocks beyond a growth step (between steps)."""
+        for p in self.pools.values():
+            p.compact()
 
     def held_bytes(self, caches: list) -> int:
         """Bytes of the blocks `caches` (and their members) refer to, each once."""

@@ -254,7 +254,7 @@ class Engine:
             ledger, self.prompt_cache, prompt_cache_bytes=o.prompt_cache_bytes,
             draft_cost=draft_cost, live_bytes=self.runner.live_bytes,
             cached_bytes=self._cached_bytes if self.runner.pages is not None else None,
-            lane_cost=lane_cost,
+            lane_cost=lane_cost, between_steps=self.runner.compact,
             shared_prefix=self._shared_prefix if self._all_paged() else None,
         )  # fmt: skip
         self.scheduler = Scheduler(

@@ -75,6 +75,7 @@ class KVMemory:
         live_bytes: Callable[[], int] = lambda: 0,
         cached_bytes: Callable[[], int] | None = None,
         lane_cost: CostModel | None = None,
+        between_steps: Callable[[], None] = lambda: None,
         shared_prefix: Callable[[int], tuple[tuple[int, ...], int] | None] | None = None,
         reserve: int = DECODE_RESERVE,
     ):
@@ -84,6 +85,8 @@ class KVMemory:
         self.draft_cost = draft_cost
         self.live_bytes = live_bytes
         self.lane_cost = lane_cost  # the model's caches on the lane, when priced apart
+        # before measuring: give back storage nothing holds (the paged layout's pools)
+        self.between_steps = between_steps
         # The paged layout: the prompt-cache prefix (key, whole blocks of tokens) a
         # waiting request will map by reference. Its blocks are priced once, however
         # many sequences map them, and each sequence for its own tokens only.
@@ -268,6 +271,7 @@ class KVMemory:
         Called wherever the bytes held can grow: after a step, after admitting
         requests (a reused prompt-cache entry is copied) and after a prompt
         cache insertion."""
+        self.between_steps()
         if self.ledger is None or not self.serving:
             return
         live = self.live_bytes()

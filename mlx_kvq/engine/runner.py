@@ -147,6 +147,11 @@ class BatchRunner:
     def pages_stats(self) -> PagesStats | None:
         return None if self.pages is None else self.pages.stats()
 
+    def compact(self) -> None:
+        """Between steps: the block pools give back what they hold free."""
+        if self.pages is not None:
+            self.pages.compact()
+
     def pool_rest_bytes(self) -> int:
         """Pool bytes no live sequence refers to: blocks only prompt-cache entries
         refer to, and free blocks (0 without the paged layout)."""
