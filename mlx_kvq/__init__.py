@@ -1,9 +1,11 @@
 """mlx-kvq: quantized KV caches for every attention layout in mlx-lm models.
 
 `import mlx_kvq` stays light: it loads only the settings (`KVConfig`,
-`QuantSpec`, `UnsupportedKVConfig`) and MLX's core, whose BLAS calls it points
-at OpenBLAS on Linux (`mlx_kvq.blas`; `MLX_KVQ_BLAS=reference` opts out,
-`blas_info()` says which library is in use). Importing anything from mlx-lm loads its
+`QuantSpec`, `UnsupportedKVConfig`) and MLX's core, and changes nothing it
+does not own: MLX's float products keep the BLAS they were linked with until
+the program calls `use_fast_blas()` (OpenBLAS on Linux, `mlx_kvq.blas`; every
+`mlx-kvq` command does; `blas_info()` says which library is in use).
+Importing anything from mlx-lm loads its
 package `__init__` (transformers, seconds of start-up), so the generation
 entry points and the planner are resolved on first use. Importing the caches
 (which every entry point does) installs the attention redirect and makes our
@@ -15,10 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .blas import blas_info, enable_fast_blas
+from .blas import blas_info, use_fast_blas
 from .config import KVConfig, QuantSpec, UnsupportedKVConfig
-
-enable_fast_blas()
 
 if TYPE_CHECKING:  # pragma: no cover
     from .generate import (
@@ -61,6 +61,7 @@ __all__ = [
     "plan_kv",
     "save_prompt_cache",
     "stream_generate",
+    "use_fast_blas",
 ]
 __version__ = "0.1.0"
 

@@ -6,11 +6,12 @@ goes to `quantized_attention`, arrays go to `mx.fast`. That is what makes
 KV-shared layers work (gemma4_text calls attention with `cache=None` but
 hands over the owner layer's packed K/V) and attention sinks work (gpt-oss).
 
-Compute precision is a per-backend choice: on the CPU backend
-`mx.quantized_matmul` in float16/bfloat16 is many times slower than in
-float32, so queries are cast up there; on Metal the native-dtype kernels are
-fast, so the model's dtype is kept (assumed from MLX's kernels; not measured
-here, since Metal cannot run on this project's machines).
+Compute precision is a per-backend choice, made from the device attention
+runs on (`current_backend`): on the CPU `mx.quantized_matmul` in
+float16/bfloat16 is many times slower than in float32, so queries are cast
+up there; on a GPU (Metal, or CUDA with `mlx[cuda]`) MLX's native-dtype
+quantized kernels are fast, so the model's dtype is kept (assumed from MLX's
+kernels; not measured here, since no GPU runs on this project's machines).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import importlib
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from enum import Enum
 
 import mlx.core as mx
 import mlx_lm.models
@@ -30,7 +32,8 @@ from .kernels import native_status, packed_scores, packed_weighted
 from .kernels import paged_attention as native_paged_attention
 from .quant import PagedKV, QuantizedKV, rotate
 
-_ORIGINAL = mlx_base.scaled_dot_product_attention
+# mlx-lm's own function, which its own QuantizedKVCache keeps using
+MLX_LM_ATTENTION = mlx_base.scaled_dot_product_attention
 
 # Queries are processed in blocks of at most _QUERY_BLOCK queries and
 # _SCORE_BUDGET score elements (64 MiB in float32), so a long prefill chunk
@@ -69,8 +72,41 @@ _SPLIT_LIMIT = 8
 _SPLIT_MIN_TOKENS = 4096
 
 
+class Backend(str, Enum):
+    """Where quantized attention runs, which decides its paths."""
+
+    CPU = "cpu"  # float32 products, dense blocks for many rows, the native kernels
+    METAL = "metal"  # MLX's quantized kernels in the model's dtype
+    CUDA = "cuda"  # likewise (MLX's CUDA kernels; assumed, not measured here)
+
+
+def backend_for(device: mx.DeviceType, metal: bool, cuda: bool) -> Backend:
+    """The backend of work placed on a `device` of this type, given which GPU
+    backends this MLX build has. A pure function of its inputs, so the choice
+    is testable without a GPU; `current_backend` feeds it the live values."""
+    if device != mx.DeviceType.gpu:
+        return Backend.CPU
+    if metal:
+        return Backend.METAL
+    if cuda:
+        return Backend.CUDA
+    return Backend.CPU  # no GPU backend at all: MLX cannot run it on a GPU
+
+
+def current_backend() -> Backend:
+    """The backend of the device attention runs on now: the default device,
+    which `with mx.stream(s)` (mlx-lm's generation stream) sets to the
+    stream's device."""
+    cuda = getattr(mx, "cuda", None)
+    return backend_for(
+        mx.default_device().type,
+        mx.metal.is_available(),
+        bool(cuda is not None and cuda.is_available()),
+    )
+
+
 def _on_cpu() -> bool:
-    return mx.default_device() == mx.cpu or not mx.metal.is_available()
+    return current_backend() is Backend.CPU
 
 
 def _native() -> bool:
@@ -383,16 +419,13 @@ def scaled_dot_product_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """Drop-in for `mlx_lm.models.base.scaled_dot_product_attention`."""
-    if isinstance(keys, tuple) and hasattr(cache, "bits"):
-        # mlx-lm's own QuantizedKVCache hands out plain tuples.
-        keys = QuantizedKV(*keys, cache.bits, cache.group_size)
-        values = QuantizedKV(*values, cache.bits, cache.group_size)
+    mlx_lm_packed = isinstance(keys, tuple | list)
+    packed = mlx_lm_packed or isinstance(keys, QuantizedKV) or isinstance(values, QuantizedKV)
     if isinstance(keys, PagedKV):
         if _counter is not None:
             _counter["paged"] += 1
             _counter["quantized" if keys.quantized else "full_precision"] += 1
         return paged_attention(queries, keys, values, scale, mask, sinks)
-    packed = isinstance(keys, QuantizedKV) or isinstance(values, QuantizedKV)
     if _counter is not None:
         _counter["quantized" if packed else "full_precision"] += 1
         if cache is None:
@@ -400,6 +433,10 @@ def scaled_dot_product_attention(
         if sinks is not None:
             _counter["sinks"] += 1
         _counter[("cache", id(cache), packed)] += 1
+    if mlx_lm_packed:
+        # mlx-lm's own QuantizedKVCache (what `mx.quantize` returns, a list or
+        # a tuple): mlx-lm's own function, so its results stay bit for bit
+        return MLX_LM_ATTENTION(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     if packed:
         return quantized_attention(queries, keys, values, scale, mask, sinks)
     return mx.fast.scaled_dot_product_attention(
@@ -419,7 +456,7 @@ def count_attention() -> Iterator[Counter]:
 
 
 def _patch_module(module) -> bool:
-    if getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL:
+    if getattr(module, "scaled_dot_product_attention", None) is MLX_LM_ATTENTION:
         module.scaled_dot_product_attention = scaled_dot_product_attention
         return True
     return False

@@ -4,12 +4,16 @@ The `mlx[cpu]` wheel for Linux links the reference (netlib) BLAS, which
 multiplies float32 matrices 20-50x slower than OpenBLAS. Speed comparisons
 made on it flatter whatever avoids float32 products, so mlx-kvq makes MLX
 use OpenBLAS (the `scipy-openblas32` wheel, a dependency on Linux; a system
-`libopenblas.so.0` where that is missing) by default.
+`libopenblas.so.0` where that is missing) when the program asks for it:
+every `mlx-kvq` command does (`mlx_kvq.commands.main`), a Python program
+calls `mlx_kvq.use_fast_blas()`. Importing `mlx_kvq` leaves the binding
+alone, because the change reaches every float product in the process,
+whatever computes it (its rounding differs from the reference BLAS).
 
 How: libmlx calls `cblas_sgemm`, `cblas_dgemm` and `cblas_cgemm` through
 its import slots (GOT entries), which the dynamic loader filled with the
-reference BLAS's addresses when `mlx.core` was imported. `enable_fast_blas`
-writes OpenBLAS's addresses into those slots, so it takes effect whichever
+reference BLAS's addresses when `mlx.core` was imported. `use_fast_blas`
+writes OpenBLAS's addresses into those slots, so it takes effect whenever it is called, whichever
 of `mlx` and `mlx_kvq` was imported first, and `use_linked_blas` puts the
 linked ones back for a measurement. The slots are found from libmlx's own
 relocation tables (ELF x86-64 and AArch64); anything else is left alone and
@@ -415,7 +419,11 @@ def blas_info() -> BlasInfo:
     library, symbol = _where(address)
     kind, config, threads = _describe(library)
     if address == slots.linked["cblas_sgemm"]:
-        reason = str(_state.get("why_linked", "mlx-kvq has not rebound it"))
+        reason = str(
+            _state.get(
+                "why_linked", "not rebound: mlx-kvq commands and mlx_kvq.use_fast_blas() rebind it"
+            )
+        )
         return BlasInfo(kind, library, symbol, BlasBinding.LINKED, reason, config, threads)
     reason = str(_state.get("why_rebound", "rebound"))
     return BlasInfo(kind, library, symbol, BlasBinding.REBOUND, reason, config, threads)
@@ -439,7 +447,7 @@ def fast_float32_products() -> bool:
     return kind in _FAST or (kind is BlasKind.UNKNOWN and sys.platform == "darwin")
 
 
-def enable_fast_blas() -> BlasInfo:
+def use_fast_blas() -> BlasInfo:
     """Point MLX's BLAS calls at a fast library unless opted out or already
     fast. Idempotent; raises `BlasError` when `MLX_KVQ_BLAS` names a library
     that cannot be used."""

@@ -350,7 +350,7 @@ def _flatten(caches: list, model=None) -> list[tuple[int, int | None, object]]:
         if type(c) is mlx_cache.CacheList:
             out.extend((slot, m, member) for m, member in enumerate(c.caches))
         elif type(c) is KVQLayerCache:
-            out.extend((slot, _member(leaf), leaf) for leaf in c.caches)
+            out.extend((slot, _member(leaf), leaf) for leaf in c.report_members)
         elif kind is not None and kind.name == "layer":
             fields = layer_cache_fields(model, slot)
             for m, name in enumerate(FIELDS):

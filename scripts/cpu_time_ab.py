@@ -58,6 +58,7 @@ def main() -> int:
     p.add_argument("--reference-blas", action="store_true", help="both arms on MLX's linked BLAS")
     args = p.parse_args()
     dtype = getattr(mx, args.dtype)
+    blas.use_fast_blas()  # the bench's setup: both arms on OpenBLAS unless --reference-blas
     stack = contextlib.ExitStack()
     if args.reference_blas:
         stack.enter_context(blas.use_linked_blas())

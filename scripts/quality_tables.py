@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mlx_kvq import attention  # noqa: E402
+from mlx_kvq.blas import use_fast_blas  # noqa: E402
 from mlx_kvq.config import KVConfig, QuantSpec  # noqa: E402
 from mlx_kvq.evaluate import evaluate_many, load_eval_inputs  # noqa: E402
 from mlx_kvq.quant import Store  # noqa: E402
@@ -55,7 +56,8 @@ PLOT = REPO / "docs" / "img" / "quality_frontier.png"
 
 
 # -- demo model: the frontier on both texts --------------------------------------------
-GOAL_BITS, GOAL_TOP1, GOAL_KL = 4.5, 0.98, 0.0015  # issue 18's 4-bit goal
+# the goal: mlx-lm's `--kv-bits 4` bytes at most, with near-lossless top-1 and KL
+GOAL_BITS, GOAL_TOP1, GOAL_KL = 4.5, 0.98, 0.0015
 
 
 def frontier_settings() -> list[tuple[str, KVConfig]]:
@@ -480,6 +482,7 @@ def main(argv=None) -> int:
         "--render", action="store_true", help="rewrite tables and plot from docs/quality.json only"
     )
     args = p.parse_args(argv)
+    use_fast_blas()  # as `mlx-kvq eval` measures (the recorded numbers were made so)
     raw = json.loads(RAW.read_text()) if args.render and RAW.exists() else {}
     for name in ("frontier", "outlier"):
         if args.only not in (None, name):

@@ -160,8 +160,9 @@ def test_half_precision_queries(dtype):
 
 
 def test_dispatch_and_mlx_lm_tuples():
-    """The redirect sends packed K/V (ours, or mlx-lm's QuantizedKVCache
-    tuples) to quantized attention and arrays to mx.fast, and counts it."""
+    """The redirect sends our packed K/V to quantized attention, mlx-lm's
+    QuantizedKVCache tuples to mlx-lm's own function (bit for bit) and arrays
+    to mx.fast, and counts it."""
     rng = np.random.default_rng(8)
     q, k, v = _qkv(rng, 1, 4, 2, 2, 10)
     kq, vq = _pack(k, QuantSpec(8)), _pack(v, QuantSpec(8))
@@ -172,11 +173,18 @@ def test_dispatch_and_mlx_lm_tuples():
     tuples = (kq.data, kq.scales, kq.biases), (vq.data, vq.scales, vq.biases)
     with attention.count_attention() as counts:
         a = attention.scaled_dot_product_attention(q, kq, vq, None, 0.125, "causal")
-        b = attention.scaled_dot_product_attention(q, *tuples, MlxLmQuantized(), 0.125, "causal")
+        # mlx-lm's function scales its queries in place: it gets copies
+        b = attention.scaled_dot_product_attention(
+            mx.array(q), *tuples, MlxLmQuantized(), 0.125, "causal"
+        )
         c = attention.scaled_dot_product_attention(q, k, v, object(), 0.125, "causal")
     assert counts["quantized"] == 2 and counts["full_precision"] == 1
     assert counts["no_cache"] == 1
-    assert mx.array_equal(a, b).item()
+    own = attention.MLX_LM_ATTENTION(
+        mx.array(q), *tuples, MlxLmQuantized(), scale=0.125, mask="causal"
+    )
+    assert mx.array_equal(b, own).item()
+    assert mx.allclose(a, b, atol=1e-4).item()
     assert mx.allclose(
         c, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
     ).item()
@@ -216,3 +224,75 @@ def test_float32_dequantize_is_not_rounded_to_16_bits():
     assert mx.array_equal(packed.dequantize(mx.float32), exact).item()
     # the float16 path differs: its rounding is what float32 callers must not get
     assert not mx.array_equal(packed.dequantize(mx.float16).astype(mx.float32), exact).item()
+
+
+GPU, CPU = mx.DeviceType.gpu, mx.DeviceType.cpu
+
+
+@pytest.mark.parametrize(
+    "device, metal, cuda, backend",
+    [
+        (CPU, False, False, attention.Backend.CPU),
+        (CPU, True, False, attention.Backend.CPU),  # a Mac told to run on its CPU
+        (CPU, False, True, attention.Backend.CPU),  # likewise with mlx[cuda]
+        (GPU, True, False, attention.Backend.METAL),
+        (GPU, False, True, attention.Backend.CUDA),  # mlx[cuda] on an NVIDIA GPU
+        (GPU, False, False, attention.Backend.CPU),
+    ],
+)
+def test_the_backend_follows_the_device_in_use(device, metal, cuda, backend):
+    """The device decides, not whether Metal exists: CUDA gets the GPU path."""
+    assert attention.backend_for(device, metal, cuda) is backend
+
+
+def test_this_machine_runs_the_cpu_paths():
+    assert mx.default_device().type == CPU
+    assert attention.current_backend() is attention.Backend.CPU
+    with mx.stream(mx.cpu):
+        assert attention.current_backend() is attention.Backend.CPU
+
+
+def test_a_gpu_backend_takes_mlx_quantized_kernels(monkeypatch):
+    """With a GPU backend in use, attention keeps the model's dtype, uses
+    `quantized_matmul` (no dense blocks, no native CPU kernels), and still
+    computes attention (run here on the CPU device to check the numbers)."""
+    rng = np.random.default_rng(11)
+    q, k, v = _qkv(rng, 1, 4, 2, 20, 40)
+    kq, vq = _pack(k, QuantSpec(4)), _pack(v, QuantSpec(4))
+    cpu_out = attention.quantized_attention(q, kq, vq, 0.125, "causal")
+    monkeypatch.setattr(attention, "current_backend", lambda: attention.Backend.CUDA)
+    assert attention.compute_dtype(mx.bfloat16) == mx.bfloat16
+    assert attention._dense_dtype(mx.float32) is None and not attention._native()
+    gpu_out = attention.quantized_attention(q, kq, vq, 0.125, "causal")
+    assert mx.allclose(gpu_out, cpu_out, atol=1e-4).item()
+    assert mx.allclose(gpu_out, _reference(q, kq, vq, 0.125, "causal"), atol=5e-5).item()
+
+
+def test_mlx_lms_own_quantized_cache_through_the_redirect():
+    """mlx-lm's `test_quantized_sdpa` (tests/test_models.py of its 0.32.2
+    sdist) with the redirect installed: its `QuantizedKVCache` hands out
+    lists (`mx.quantize`'s return type), which fell through to `mx.fast`
+    and raised TypeError. They go to mlx-lm's own function: bit for bit."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.cache import KVCache
+
+    assert scaled_dot_product_attention is attention.scaled_dot_product_attention
+    key = iter(mx.random.split(mx.random.key(3), 5))
+    cache = KVCache()
+    cache.update_and_fetch(*(0.1 * mx.random.normal((1, 1, 256, 32), key=next(key)),) * 2)
+    quant_cache = cache.to_quantized(group_size=32, bits=8)
+    k = 0.1 * mx.random.normal((1, 1, 1, 32), key=next(key))
+    v = 0.1 * mx.random.normal((1, 1, 1, 32), key=next(key))
+    k_up, v_up = cache.update_and_fetch(k, v)
+    qk_up, qv_up = quant_cache.update_and_fetch(k, v)
+    assert isinstance(qk_up, list | tuple)
+    q = 0.1 * mx.random.normal((1, 4, 257, 32), key=next(key))
+    out = scaled_dot_product_attention(q, k_up, v_up, cache=cache, mask="causal", scale=1.0)
+    qout = scaled_dot_product_attention(
+        mx.array(q), qk_up, qv_up, cache=quant_cache, mask="causal", scale=1.0
+    )
+    assert mx.allclose(out, qout, rtol=1e-2, atol=1e-2).item()
+    own = attention.MLX_LM_ATTENTION(
+        mx.array(q), qk_up, qv_up, cache=quant_cache, mask="causal", scale=1.0
+    )
+    assert mx.array_equal(qout, own).item()

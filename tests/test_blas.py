@@ -1,4 +1,6 @@
-"""MLX's float products run on OpenBLAS after a plain install on Linux.
+"""MLX's float products run on OpenBLAS after a plain install on Linux, once
+the program asks (`mlx_kvq.use_fast_blas()`, which every `mlx-kvq` command
+calls; tests/conftest.py does it for the suite).
 
 What is checked is the library the loader maps libmlx's `cblas_sgemm`
 slot to (`blas_info`), never a timing.
@@ -37,13 +39,14 @@ def _info_in_subprocess(first: str, env: dict[str, str] | None = None) -> dict:
 @pytest.mark.parametrize(
     "first",
     [
-        "import mlx_kvq",
-        "import mlx.core as mx; mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4))); import mlx_kvq",
+        "import mlx_kvq; mlx_kvq.use_fast_blas()",
+        "import mlx.core as mx; mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)));"
+        " import mlx_kvq; mlx_kvq.use_fast_blas()",
     ],
     ids=["mlx_kvq-first", "mlx-first-and-used"],
 )
-def test_openblas_after_plain_import(first):
-    """Either import order ends with libmlx's `cblas_sgemm` resolving into
+def test_openblas_after_use_fast_blas(first):
+    """Either import order, then `use_fast_blas()`, ends with libmlx's `cblas_sgemm` resolving into
     the scipy-openblas32 package's library."""
     info = _info_in_subprocess(first)
     assert info["kind"] == "OpenBLAS", info
@@ -56,7 +59,7 @@ def test_openblas_after_plain_import(first):
 @linux
 @pytest.mark.parametrize("value", ["reference", "0"])
 def test_opt_out_keeps_the_linked_reference_blas(value):
-    info = _info_in_subprocess("import mlx_kvq", {blas.ENV: value})
+    info = _info_in_subprocess("import mlx_kvq; mlx_kvq.use_fast_blas()", {blas.ENV: value})
     assert info["kind"] == "reference BLAS", info
     assert info["binding"] == "as linked"
     assert "mlx_cpu.libs" in info["library"] and "libblas" in info["library"]
@@ -66,12 +69,17 @@ def test_opt_out_keeps_the_linked_reference_blas(value):
 @linux
 def test_explicit_library_and_a_bad_value():
     bundled = blas.blas_info().library
-    info = _info_in_subprocess("import mlx_kvq", {blas.ENV: bundled})
+    info = _info_in_subprocess("import mlx_kvq; mlx_kvq.use_fast_blas()", {blas.ENV: bundled})
     assert info["kind"] == "OpenBLAS" and info["reason"] == f"{blas.ENV}={bundled}"
-    code = "import mlx_kvq"
     environ = {**os.environ, blas.ENV: "/no/such/libblas.so"}
+    code = "import mlx_kvq; mlx_kvq.use_fast_blas()"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ)
     assert out.returncode != 0
+    assert f"{blas.ENV}='/no/such/libblas.so': no such file" in out.stderr
+    # a command refuses it as a bad setting (status 2), naming the variable
+    cmd = [sys.executable, "-m", "mlx_kvq", "plan", "--context", "64"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=environ)
+    assert out.returncode == 2, out.stderr
     assert f"{blas.ENV}='/no/such/libblas.so': no such file" in out.stderr
 
 

@@ -470,3 +470,23 @@ def test_kv_cache_memory_sizes():
     assert {text: parse_size(text) for text in sizes} == sizes
     with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
         parse_size("2 parsecs")
+
+
+def test_the_server_starts_with_a_budget_that_holds_one_useful_prompt(loaded):
+    """--max-tokens reserves nothing: a budget far below one default request's
+    worst case starts, one that cannot hold a 256-token prompt is refused."""
+    from mlx_kvq.commands.serve import USEFUL_PROMPT, kv_cache_memory
+    from mlx_kvq.engine.memory import DECODE_RESERVE
+
+    model, _ = loaded
+    plan = plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
+    cost = share_for(plan, 1, prefill_step=2048, prompt_rows=8).cost
+    need = cost.bound([Shape(USEFUL_PROMPT, USEFUL_PROMPT + DECODE_RESERVE)])
+    args = argparse.Namespace(
+        kv_cache_memory=need, max_tokens=100_000, prefill_step_size=2048, prompt_concurrency=8
+    )
+    assert need < cost.bound([Shape(1, 4096)])  # one worst case of --max-tokens (the context)
+    assert kv_cache_memory(args, model, plan) == need
+    args.kv_cache_memory = need - 1
+    with pytest.raises(ValueError, match=f"cannot hold one prompt of {USEFUL_PROMPT} tokens"):
+        kv_cache_memory(args, model, plan)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -176,3 +177,31 @@ def test_server_log_follows_the_current_stderr(monkeypatch):
     written = second.getvalue()
     assert "INFO mlx_kvq.server: after the first stream closed" in written
     assert "Logging error" not in written
+
+
+def test_every_command_runs_on_the_fast_blas():
+    """`import mlx_kvq` leaves MLX's BLAS alone; every subcommand, in a fresh
+    process, runs with the fast one (each command's `run` is replaced by a
+    probe of the binding)."""
+    code = (
+        "import json\n"
+        "from mlx_kvq import blas, commands\n"
+        "seen = {'import': blas.blas_info().fast}\n"
+        "for c in commands.COMMANDS:\n"
+        "    c.run = lambda args: seen.__setitem__(args.command, blas.blas_info().fast)\n"
+        "for c in commands.COMMANDS:\n"
+        "    name = c.__name__.rsplit('.', 1)[1].replace('_', '-')\n"
+        "    extra = ['-p', 'x', '--prompt-cache-file', 'f'] if name == 'cache-prompt' else []\n"
+        "    assert commands.main([name, *extra]) == 0\n"
+        "print(json.dumps(seen))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MLX_KVQ_BLAS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    names = {"serve", "generate", "plan", "cache-prompt", "eval", "bench"}
+    assert set(seen) == names | {"import"}, seen
+    imported = seen.pop("import")
+    assert not (imported and sys.platform.startswith("linux")), "import mlx_kvq rebound the BLAS"
+    assert all(seen.values()), seen

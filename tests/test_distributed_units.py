@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import types
+import typing
+
 import mlx.core as mx
 import pytest
 from kvq_testing import archs
@@ -9,8 +14,14 @@ from kvq_testing.distributed import tiny_model
 
 from mlx_kvq.caches import KVQFullCache
 from mlx_kvq.config import KVConfig, QuantSpec, UnsupportedKVConfig
-from mlx_kvq.distributed.coordinator import GroupCoordinator
-from mlx_kvq.distributed.group import exchange, gather_json
+from mlx_kvq.distributed import wire
+from mlx_kvq.distributed.coordinator import (
+    LOCAL_ONLY,
+    GroupCoordinator,
+    commands_from_payload,
+    commands_payload,
+)
+from mlx_kvq.distributed.group import env_leader_host, exchange, gather_json
 from mlx_kvq.distributed.heartbeat import RankLoss
 from mlx_kvq.distributed.loading import (
     KV_HEADS,
@@ -27,7 +38,13 @@ from mlx_kvq.distributed.planning import (
     local_config,
     ranks_table,
 )
-from mlx_kvq.engine import StepCommands, StopNotice, WarmupVerdict
+from mlx_kvq.engine import (
+    GenerationRequest,
+    SamplingParams,
+    StepCommands,
+    StopNotice,
+    WarmupVerdict,
+)
 from mlx_kvq.quant import Store
 
 
@@ -204,3 +221,139 @@ def test_sharding_is_checked_from_the_config_alone():
     layout = check_sharding(tiny_model("gpt_oss"), pipeline=False)
     assert layout.how == SPLIT and layout.kv_heads == layout.rank_kv_heads == (2, 2, 2, 2)
     assert "KV heads 2 per layer, 2 per rank over 1 ranks (split)" == layout.describe()
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("", "not JSON"),
+        ("[127.0.0.1:5000]", "not JSON"),
+        ("[]", "rank 0 has no address"),
+        ('{"hosts": ["10.0.0.1:5000"]}', "rank 0 has no address"),
+        ("[[], []]", "rank 0 has no address"),
+        ("[[5000], [5001]]", "rank 0 has no address"),
+    ],
+)
+def test_a_malformed_hostfile_fails_naming_the_file(tmp_path, monkeypatch, content, problem):
+    """The heartbeat's leader address comes from MLX_HOSTFILE; a file that
+    cannot be read that way fails startup (ValueError: exit 2) instead of
+    falling back to another host in silence."""
+    monkeypatch.delenv("MLX_KVQ_HEARTBEAT_HOST", raising=False)
+    path = tmp_path / "hosts.json"
+    path.write_text(content)
+    monkeypatch.setenv("MLX_HOSTFILE", str(path))
+    with pytest.raises(ValueError, match=problem) as e:
+        env_leader_host()
+    assert f"MLX_HOSTFILE={path}" in str(e.value)
+    monkeypatch.setenv("MLX_HOSTFILE", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="cannot be read"):
+        env_leader_host()
+
+
+@pytest.mark.parametrize(
+    "content", ['[["10.0.0.7:5000", "10.0.0.7:5001"], ["10.0.0.8:5002"]]', '["10.0.0.7:5000"]']
+)
+def test_the_leader_is_rank_0_of_a_well_formed_hostfile(tmp_path, monkeypatch, content):
+    monkeypatch.delenv("MLX_KVQ_HEARTBEAT_HOST", raising=False)
+    (tmp_path / "hosts.json").write_text(content)
+    monkeypatch.setenv("MLX_HOSTFILE", str(tmp_path / "hosts.json"))
+    assert env_leader_host() == "10.0.0.7"
+
+
+def non_default(hint, default=dataclasses.MISSING, salt: int = 0):
+    """A value of type `hint` that differs from `default`, derived from the
+    type alone (nested dataclasses and enums included), so a field added to a
+    request is covered without editing this test."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        return non_default(next(a for a in args if a is not type(None)), default, salt)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        hints = typing.get_type_hints(hint)
+        values = {}
+        for f in dataclasses.fields(hint):
+            d = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            values[f.name] = non_default(hints[f.name], d, salt)
+        return hint(**values)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        members = [m for m in hint if m != default]
+        return members[salt % len(members)]
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return tuple(non_default(args[0], salt=salt + i) for i in range(2))
+    if origin is tuple:
+        return tuple(non_default(a, salt=salt + i) for i, a in enumerate(args))
+    if origin is frozenset:
+        return frozenset(non_default(args[0], salt=salt + i) for i in range(2))
+    if hint is bool:
+        return not default if isinstance(default, bool) else True
+    if hint is int:
+        return (default if isinstance(default, int) else 0) + 3 + salt
+    if hint is float:
+        return (default if isinstance(default, float | int) else 0.0) + 0.375 + salt
+    if hint is str:
+        return f"s{salt}"
+    raise AssertionError(f"no non-default value for {hint}: extend non_default")
+
+
+def message_fields(cls) -> set[tuple[type, str]]:
+    """Every (dataclass, field) reachable from `cls` through its type hints."""
+    out, todo = set(), [cls]
+    while todo:
+        c = todo.pop()
+        for f in dataclasses.fields(c):
+            out.add((c, f.name))
+            hint = typing.get_type_hints(c)[f.name]
+            for t in (
+                hint,
+                *typing.get_args(hint),
+                *sum(map(typing.get_args, typing.get_args(hint)), ()),
+            ):
+                if (
+                    isinstance(t, type)
+                    and dataclasses.is_dataclass(t)
+                    and t not in {x for x, _ in out}
+                ):
+                    todo.append(t)
+    return out
+
+
+def test_every_request_field_survives_the_trip_to_the_other_ranks():
+    """Rank 0's step commands, every field of every request set to a value
+    other than its default, arrive equal; only `LOCAL_ONLY` (each with its
+    reason) stays behind, and it names real fields."""
+    commands = non_default(StepCommands)
+    reached = message_fields(StepCommands)
+    assert (GenerationRequest, "draft_tokens") in reached and (SamplingParams, "grammar") in reached
+    assert set(LOCAL_ONLY) <= reached and all(LOCAL_ONLY.values()), LOCAL_ONLY
+    for cls, name in reached - set(LOCAL_ONLY):  # really not the defaults
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        if f.default is not dataclasses.MISSING and cls is not StepCommands:
+            sample = non_default(cls)
+            assert getattr(sample, name) != f.default, (cls, name)
+    arrived = commands_from_payload(commands_payload(commands))
+    assert arrived == commands
+    for request, got in zip(commands.submits, arrived.submits, strict=True):
+        for cls, obj, other in (
+            (GenerationRequest, request, got),
+            (SamplingParams, request.params, got.params),
+        ):
+            for f in dataclasses.fields(cls):
+                if (cls, f.name) not in LOCAL_ONLY:
+                    assert getattr(other, f.name) == getattr(obj, f.name), f.name
+                    assert type(getattr(other, f.name)) is type(getattr(obj, f.name)), f.name
+
+
+def test_a_field_that_cannot_cross_is_refused_by_name():
+    """A value that is not data (a callback) raises, naming the field,
+    unless its field is declared local."""
+
+    @dataclasses.dataclass(frozen=True)
+    class WithCallback:
+        n: int
+        on_progress: typing.Callable | None = None
+
+    with pytest.raises(TypeError, match="WithCallback.on_progress"):
+        wire.encode(WithCallback(1, print))
+    local = {(WithCallback, "on_progress"): "a callback of rank 0's HTTP handler"}
+    assert wire.decode(WithCallback, wire.encode(WithCallback(1, print), local), local) == (
+        WithCallback(1)
+    )

@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine (issue 12, item 5), in-process.
+"""Speculative decoding in the engine, in-process.
 
 The model is a scripted hybrid (gemma3_text, windows of 16 tokens, 4-bit
 KV caches); the draft model is the same script with one step changed, so it

@@ -2,7 +2,8 @@
 
 Every `import` in `mlx_kvq` (at module level or inside a function) is read
 from the source. A module may import only modules of its own layer or a
-lower one (the README's module table, top to bottom); the import graph has
+lower one: the README's module table, read from README.md, top to bottom
+(every shipped module must be in it); the import graph has
 no cycle; no module imports another module's `_private` name; mlx-lm's
 private names are imported in `mlx_lm_internals.py` only; every shipped
 module imports after a plain install (no test-only dependency).
@@ -13,26 +14,55 @@ from __future__ import annotations
 import ast
 import importlib
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import mlx_kvq
 
 PACKAGE = Path(mlx_kvq.__file__).parent
 
-# Lowest first: a module imports only modules of its own layer or of layers above it here.
-LAYERS = [
-    ("settings", ["config", "defaults", "mlx_lm_internals", "demo", "blas"]),
-    ("storage", ["quant", "kernels", "native"]),
-    ("caches", ["caches"]),
-    ("attention", ["attention"]),
-    ("plan", ["plan"]),
-    ("generation", ["generate", "speculative", "evaluate", "distributed"]),
-    ("engine", ["engine", "distributed.coordinator", "bench"]),
-    ("HTTP", ["server"]),
-    ("command line", ["commands", "__main__", "bench.__main__", ""]),
-]
+README = PACKAGE.parent / "README.md"
+_NAMED = re.compile(r"`([\w./]+(?:\.py|/))`")  # a file or folder the table names
+
+
+def readme_table() -> list[tuple[list[str], str]]:
+    """The module table under the README's "How it works", top to bottom:
+    (what the first column names, the whole row's text) per row."""
+    section = README.read_text().split("## How it works", 1)[1]
+    rows, started = [], False
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            started = True
+            first, rest = line.strip().strip("|").split("|", 1)
+            rows.append((_NAMED.findall(first), first + rest))
+        elif started and not line.startswith("|"):
+            break
+    assert len(rows) > 5, f"no module table under 'How it works' in {README}"
+    return rows
+
+
+def dotted(path: str) -> str:
+    """`caches/full.py` -> "caches.full"; `caches/` -> "caches"; `__init__.py` -> ""."""
+    name = path.rstrip("/").removesuffix(".py").replace("/", ".")
+    return "" if name == "__init__" else name
+
+
+def readme_layers() -> list[tuple[str, list[str]]]:
+    """Lowest first: (row, modules it places). A row places what its first
+    column names, and any module named by a path (`distributed/coordinator.py`)
+    anywhere in it, which places that module there rather than with its folder."""
+    out = []
+    for first, text in readme_table():
+        paths = first + [n for n in _NAMED.findall(text) if "/" in n.rstrip("/")]
+        out.append((", ".join(first), [dotted(p) for p in dict.fromkeys(paths)]))
+    return out
+
+
+LAYERS = readme_layers()
 
 
 def modules() -> dict[str, Path]:
@@ -51,13 +81,14 @@ MODULES = modules()
 
 
 def layer(name: str) -> int:
-    """The layer of a module: its longest matching prefix in LAYERS."""
+    """The layer of a module: the README row that places it or, longest
+    first, a folder above it."""
     best, rank = -1, None
     for i, (_, prefixes) in enumerate(LAYERS):
         for p in prefixes:
-            if (name == p or name.startswith(p + ".") or p == "") and len(p) > best:
+            if (name == p or (p and name.startswith(p + "."))) and len(p) > best:
                 best, rank = len(p), i
-    assert rank is not None, f"{name} is in no layer: add it to LAYERS"
+    assert rank is not None, f"mlx_kvq/{name or '__init__'} is not in the README's module table"
     return rank
 
 
@@ -188,16 +219,41 @@ def extra_only_imports() -> set[str]:
         dist = todo.pop()
         if dist not in base:
             base.add(dist)
-            try:
-                todo += needs(dist)
-            except Exception:  # noqa: BLE001 - not installed on this platform
-                pass
+            # Markers are evaluated for this platform, so every dist reached here
+            # is one a plain install brings: one that is missing is a broken
+            # environment (PackageNotFoundError), never a reason to skip its
+            # dependencies (they would then count as test-only).
+            todo += needs(dist)
     extra = needs("mlx-kvq", "test") - needs("mlx-kvq") - base
     return {
         module
         for module, dists in packages_distributions().items()
         if {d.lower().replace("_", "-") for d in dists} & extra
     }
+
+
+def test_a_missing_dependency_fails_the_extra_check(monkeypatch):
+    """A dependency of a plain install that cannot be found is an error, not a
+    dist whose own dependencies quietly stop counting as plain-install ones."""
+    import importlib.metadata as metadata
+
+    from packaging.requirements import Requirement
+
+    real = metadata.requires
+    missing = next(
+        req.name
+        for req in map(Requirement, real("mlx-kvq"))
+        if req.marker is None or req.marker.evaluate({"extra": ""})
+    )
+
+    def requires(dist: str):
+        if dist.lower() == missing.lower():
+            raise metadata.PackageNotFoundError(dist)
+        return real(dist)
+
+    monkeypatch.setattr(metadata, "requires", requires)
+    with pytest.raises(metadata.PackageNotFoundError):
+        extra_only_imports()
 
 
 def test_every_shipped_module_imports_without_the_test_extra():
@@ -219,10 +275,51 @@ def test_every_shipped_module_imports_without_the_test_extra():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_the_layout_table_covers_every_module():
+def test_the_readme_table_places_every_module():
+    """Every shipped module is in the README's table, which is read here."""
     compiled = {p.name.split(".")[0] for p in PACKAGE.rglob("*.so")}  # native kernels
     on_disk = {m.name for m in pkgutil.walk_packages([str(PACKAGE)], "")} - compiled
     assert on_disk <= set(MODULES) | {""}
+    missing = []
     for m in MODULES:
-        layer(m)
+        try:
+            layer(m)
+        except AssertionError as e:
+            missing.append(str(e))
+    assert not missing, "\n".join(missing)
     assert importlib.import_module("mlx_kvq.commands").main
+    rows = [row for row, _ in LAYERS]
+    assert rows[0].startswith("`config.py`") or "config.py" in rows[0], rows
+    assert layer("caches.layer") == layer("caches.indexer") == layer("caches.full")
+    assert layer("distributed.coordinator") == layer("engine") > layer("distributed.group")
+
+
+def test_every_file_the_readme_table_names_exists():
+    """A name in a row is a module or folder there: at the top of the package,
+    inside one of the row's folders, or a path from the package."""
+    stale = []
+    for first, text in readme_table():
+        folders = [PACKAGE / p for p in first if p.endswith("/")]
+        for name in _NAMED.findall(text):
+            places = [PACKAGE / name] + (
+                [] if "/" in name.rstrip("/") else [f / name for f in folders]
+            )
+            if not any(p.exists() for p in places):
+                stale.append(f"{name} (row {', '.join(first)})")
+    assert not stale, "the README's module table names what does not exist: " + ", ".join(stale)
+
+
+def test_no_comment_cites_a_principle_or_an_issue_by_number():
+    """Such references point at documents outside the repository: the code
+    says the reason itself."""
+    pattern = re.compile(r"principle [0-9]|issue [0-9]", re.IGNORECASE)
+    root = PACKAGE.parent
+    found = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for folder in ("mlx_kvq", "tests", "scripts", "docs")
+        for path in sorted((root / folder).rglob("*"))
+        if path.suffix in (".py", ".md") and path.is_file()
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, "\n".join(found)

@@ -164,7 +164,9 @@ def test_mlx_lm_attention_fails_on_sinks_with_quantized_cache(models, monkeypatc
     refuses sinks, and its sliding caches cannot be quantized at all."""
     model = models["gpt_oss"]
     prompt = prompt_tokens()[None, :12]
-    monkeypatch.setattr(_gpt_oss_module(), "scaled_dot_product_attention", attention._ORIGINAL)
+    monkeypatch.setattr(
+        _gpt_oss_module(), "scaled_dot_product_attention", attention.MLX_LM_ATTENTION
+    )
     cache = [mlx_cache.QuantizedKVCache(group_size=64, bits=8) for _ in model.layers]
     with pytest.raises(ValueError, match="sinks"):
         model(prompt, cache=cache)

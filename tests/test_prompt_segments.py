@@ -1,4 +1,4 @@
-"""Multi-turn prompt reuse on a hybrid model whose windows wrap (issue 12, item 6).
+"""Multi-turn prompt reuse on a hybrid model whose windows wrap.
 
 The engine runs in-process on a scripted gemma3_text model (sliding windows
 of 16 tokens, quantized): every turn is longer than the windows, so no
@@ -180,3 +180,32 @@ def test_turn_k_reuses_the_earlier_turns(models, template):
         assert kinds["system"] == 1 and stats.entries <= 10
     finally:
         engine.stop()
+
+
+class _FailsOnEmptyTurn:
+    """A chat template that refuses an empty user message (as some do)."""
+
+    chat_template = "a template"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **kw):
+        if any(m["role"] == "user" and not m["content"] for m in messages):
+            raise ValueError("user messages must not be empty")
+        return [len(m["content"]) + 3 for m in messages] + [1] * add_generation_prompt
+
+
+def test_a_template_that_cannot_render_the_system_part_says_so_once(caplog):
+    """No system-prompt checkpoint then, and a warning with the template's
+    reason, logged once however many requests meet it."""
+    from mlx_kvq.engine import segments
+
+    tokenizer = _FailsOnEmptyTurn()
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
+    prompt = chat_tokens(tokenizer, [dict(m) for m in messages])
+    segments._reported.clear()
+    with caplog.at_level("WARNING", logger="mlx_kvq.engine.segments"):
+        for _ in range(3):
+            assert chat_checkpoints(tokenizer, [dict(m) for m in messages], prompt) == ()
+    said = [r.getMessage() for r in caplog.records if r.name == "mlx_kvq.engine.segments"]
+    assert len(said) == 1, said
+    assert "ValueError: user messages must not be empty" in said[0]
+    assert "system prompts are not cached" in said[0]

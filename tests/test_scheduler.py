@@ -22,12 +22,14 @@ from mlx_lm import load
 
 from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 from mlx_kvq.engine import (
+    BudgetShare,
     Engine,
     EngineOptions,
     FinishEvent,
     FinishReason,
     GenerationRequest,
     Ledger,
+    LocalCoordinator,
     SamplingParams,
     Shape,
 )
@@ -133,10 +135,14 @@ def test_a_flood_with_huge_max_tokens_is_admitted_together(scripted, monkeypatch
     assert measured and all(live + pc <= budget and live <= bound for live, bound, pc in measured)
 
 
-def test_a_budget_too_small_preempts_and_every_text_is_unchanged(scripted, monkeypatch, caplog):
+@pytest.mark.parametrize("cache_entries", [N, 0], ids=["kept-in-prompt-cache", "recomputed"])
+def test_a_budget_too_small_preempts_and_every_text_is_unchanged(
+    scripted, monkeypatch, caplog, cache_entries
+):
     """Room for four sessions as they start, fewer whole ones: they are admitted
     by what they hold, the newest are preempted as the older ones grow, and
-    each resumes where it stopped; every answer is the one it says alone."""
+    each resumes where it stopped (from its cache kept in the prompt cache, or
+    recomputing its tokens without one); every answer is the one it says alone."""
     model, tokenizer, plan = scripted
     prompts = [chat(tokenizer, i) for i in range(N)]
     p = max(len(x) for x in prompts)
@@ -146,7 +152,9 @@ def test_a_budget_too_small_preempts_and_every_text_is_unchanged(scripted, monke
     assert whole < 4
     measured = spy_checks(monkeypatch)
     caplog.set_level(logging.INFO, logger="mlx_kvq.engine")
-    engine = start(model, tokenizer, plan, budget, prompt_cache_size=N, prefill_step_size=8)
+    engine = start(
+        model, tokenizer, plan, budget, prompt_cache_size=cache_entries, prefill_step_size=8
+    )
     try:
         sinks = run(engine, prompts, max_tokens=32_000)
     finally:
@@ -160,7 +168,36 @@ def test_a_budget_too_small_preempts_and_every_text_is_unchanged(scripted, monke
     assert engine.budget.overruns == 0 and engine.budget.bound_misses == 0
     assert measured and all(live + pc <= budget and live <= bound for live, bound, pc in measured)
     assert re.search(r"request \d+ preempted after \d+ tokens", caplog.text)
-    assert re.search(r"request \d+ resumes after \d+ tokens", caplog.text)
+    resumed = [int(n) for n in re.findall(r"resumes after \d+ tokens \((\d+) of", caplog.text)]
+    assert resumed and (all(n == 0 for n in resumed) if cache_entries == 0 else max(resumed) > 0)
+
+
+class TwoRanks(LocalCoordinator):
+    """A group of two in one process: the other rank holds a third of this one's budget."""
+
+    def agree_budget(self, mine: BudgetShare):
+        return [mine, BudgetShare(mine.budget // 3, mine.cost, mine.unquantized)], 0
+
+
+def test_a_group_admits_and_preempts_by_its_smallest_rank(scripted):
+    """This rank's budget holds all eight whole; the other rank's third does
+    not: the group admits, grows and preempts by it, texts unchanged."""
+    model, tokenizer, plan = scripted
+    prompts = [chat(tokenizer, i) for i in range(N)]
+    p = max(len(x) for x in prompts)
+    budget = holds(plan, N, p, p + len(PIECES) + 2, N, step=8)  # alone: no preemption
+    engine = Engine(model, tokenizer, plan, DEFAULT_KV_CONFIG, EngineOptions(
+        kv_cache_memory=budget, max_context=plan.max_context, prefill_step_size=8,
+        prompt_cache_size=N), coordinator=TwoRanks())  # fmt: skip
+    engine.start()
+    try:
+        assert engine.readiness.ready_event.wait(WAIT_S) and engine.readiness.ready
+        sinks = run(engine, prompts, max_tokens=32_000)
+    finally:
+        engine.stop()
+    assert all(c.text == ANSWER for c in sinks)
+    assert engine.metrics.snapshot().preemptions > 0
+    assert engine.budget.overruns == 0 and engine.budget.bound_misses == 0
 
 
 def test_a_preempted_seeded_request_says_what_it_says_alone(scripted, caplog):
@@ -238,3 +275,22 @@ def test_states_admission_order_and_vllm_preemption(scripted):
     assert list(plan3.exhausted) == [seqs[0]] and seqs[0].status is RequestStatus.FINISHED
     # then the preempted one resumes first, from its tokens so far
     assert plan3.admitted[0] is seqs[2] and seqs[2].status is RequestStatus.PREFILLING
+
+
+def test_a_sequence_the_idle_engine_can_never_resume_is_exhausted(scripted):
+    """Preempted long, it would resume through a prompt chunk that the budget
+    cannot hold even alone: with nothing running to free memory, it ends
+    (with length) instead of waiting forever."""
+    _, _, plan = scripted
+    budget = holds(plan, 1, 50, 50 + DECODE_RESERVE, 1, step=8)
+    share = share_for(plan, budget, prefill_step=8, prompt_rows=8)
+    scheduler = Scheduler(
+        Limits(8, 8), KVMemory(Ledger([Share(budget, share.cost)]), PromptCache(0))
+    )
+    seq = sequence(50)
+    seq.generated = [7] * 5000
+    seq.preemptions = 1
+    scheduler.add(seq)
+    plan1 = scheduler.schedule()
+    assert list(plan1.exhausted) == [seq] and not plan1.admitted
+    assert seq.status is RequestStatus.FINISHED and not scheduler.busy

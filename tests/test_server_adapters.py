@@ -1,4 +1,4 @@
-"""`--adapter-path` and the `adapters` request field (issue 12, item 4).
+"""`--adapter-path` and the `adapters` request field.
 
 A tiny LoRA made with mlx-lm's own LoRA utilities and saved as `mlx_lm.lora`
 saves it (kvq_testing.adapters) changes the scripted model's answer (it

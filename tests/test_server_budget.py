@@ -136,6 +136,8 @@ def test_flood_under_a_small_budget(model_dir, tmp_path):
         assert 2 <= m["mlx_kvq_batch_size_max"] <= fits
         assert m["mlx_kvq_kv_bytes_reserved"] == 0 and m["mlx_kvq_kv_bytes_live"] == 0
         assert m["mlx_kvq_kv_sequences_admitted"] == 0
+        assert m["mlx_kvq_preempted"] == 0
+        assert 0 <= m["mlx_kvq_resumptions_total"] <= m["mlx_kvq_preemptions_total"]
 
         health = server.health().json()["kv_budget"]
         assert health["budget"] == BUDGET and health["tokens"] == 4096  # the model's context

@@ -1,4 +1,4 @@
-"""`--draft-model`, `--num-draft-tokens` and the request fields (issue 12, item 5).
+"""`--draft-model`, `--num-draft-tokens` and the request fields.
 
 A real `mlx-kvq serve` with the official `openai` client: a scripted hybrid
 model (windows of 16 tokens that wrap) drafted by the same script with one

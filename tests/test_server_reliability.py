@@ -1,4 +1,4 @@
-"""No request can take the server down (issue 17).
+"""No request can take the server down.
 
 Each request that used to kill the engine thread, hang, or get a 500 now gets
 its answer (200 where it is valid, otherwise a 400 naming the field), and the

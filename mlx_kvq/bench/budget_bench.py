@@ -137,6 +137,7 @@ def run(settings: BenchSettings, log=print) -> dict:
                 ).to_dict(3),
                 "peak_held": ledger.peak_held,
                 "overruns": ledger.overruns,
+                "preemptions": engines[name].metrics.snapshot().preemptions,
             }
             out["rows"].append(row)
             log(
@@ -165,14 +166,15 @@ def markdown(section: dict) -> list[str]:
         f"{section['engine']} in-process, model dtype {section['dtype']}, one KV budget of "
         f"{format_bytes(section['budget'])} for every setting; {section['requests']} requests "
         f"submitted at once, each a {section['prompt']}-token prompt and {section['tokens']} "
-        "generated tokens. Fits: sequences the budget holds at once (from the plan); at once: "
-        "the most decoded together (measured); tokens/s: all generated tokens over the wall "
+        "generated tokens. Fits: whole sequences the budget holds at once (from the plan); at "
+        "once: the most decoded together (measured; admitted by what they hold, they may "
+        "outnumber whole ones, preempted when they grow past the budget); tokens/s: all generated tokens over the wall "
         "time from submission to the last finish, prefill included; decode tokens/s: generated "
         "tokens over the time mlx-lm's batch steps spent decoding (median, min-max over rounds).",
         "",
         "| setting | fits | at once | vs unquantized | tokens/s | vs unquantized "
-        "| decode tokens/s | vs unquantized | most KV held | budget overruns |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| decode tokens/s | vs unquantized | most KV held | budget overruns | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         tps, dec = r["tokens_per_s"], r["decode_tokens_per_s"]
@@ -186,6 +188,6 @@ def markdown(section: dict) -> list[str]:
             f"| {name} | {r['fits']} | {r['at_once']} | {rel_n} | "
             f"{tps['median']:.1f} ({tps['min']:.1f}-{tps['max']:.1f}) | {rel_t} | "
             f"{dec['median']:.1f} ({dec['min']:.1f}-{dec['max']:.1f}) | {rel_d} | "
-            f"{format_bytes(r['peak_held'])} | {r['overruns']} |"
+            f"{format_bytes(r['peak_held'])} | {r['overruns']} | {r.get('preemptions', 0)} |"
         )
     return lines + [""]

@@ -67,15 +67,15 @@ def load_average() -> list[float] | None:
 def run(
     settings: BenchSettings, out: Path, plots: bool = True, command: str = "", log=print
 ) -> int:
-    from .. import attention  # noqa: F401  (installs the attention redirect)
+    from .. import attention  # installs the attention redirect
     from . import report
 
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
     log("mlx-kvq bench configuration:")
     log(json.dumps({"environment": env, "settings": settings.to_dict()}, indent=1, default=str))
-    if env["device"].startswith("Device(cpu") or not env["metal_available"]:
-        log("note: CPU backend. Apple-GPU (Metal) results cannot be produced on this machine.")
+    if attention.current_backend() is attention.Backend.CPU:
+        log("note: CPU backend. GPU (Metal, CUDA) results cannot be produced on this machine.")
     t0 = time.perf_counter()
     result: dict = {
         "command": command,

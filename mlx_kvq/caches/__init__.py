@@ -27,6 +27,7 @@ from .registry import (
     paging_refusal,
     quantize_cache,
     register_for_prompt_files,
+    report_leaves,
     unpage_caches,
 )
 from .window import KVQBatchWindowCache, KVQWindowCache
@@ -65,6 +66,7 @@ __all__ = [
     "cache_report",
     "is_twin",
     "leaves",
+    "report_leaves",
     "lookup",
     "quantize_cache",
     "register_for_prompt_files",
@@ -88,4 +90,4 @@ def cache_report(caches: list) -> list[dict]:
     member; recurrent state reports kind "state" with `quantized` False (it
     is not a KV cache).
     """
-    return [_entry(leaf) for c in caches for leaf in leaves(c)]
+    return [_entry(leaf) for c in caches for leaf in report_leaves(c)]

@@ -156,7 +156,10 @@ LEAF_CLASSES = {"window": KVQWindowRows, "compress_kv": KVQCompressedRows, "inde
 
 
 class PendingRows:
-    """A layer's rows of the compression group still open (report view)."""
+    """A layer's rows of the compression group still open: a report view,
+    not a cache (its rows live in the layer cache's state), so it is listed
+    by `KVQLayerCache.report_members`, never among the `caches` that tools
+    walk as mlx-lm caches."""
 
     field = "pending"
 
@@ -276,10 +279,15 @@ class KVQLayerCache(BaseCache):
     # -- protocol -----------------------------------------------------------
     @property
     def caches(self) -> tuple:
-        """The leaves, for reports: each KV field, then the open group."""
+        """The member caches, one per KV field, each with mlx-lm's cache protocol."""
+        return tuple(self.leaves.values())
+
+    @property
+    def report_members(self) -> tuple:
+        """What reports list for this layer: its caches, then the open group."""
         compressed = self.leaves.get("compress_kv")
         open_group = compressed is not None and compressed.ratio > 1
-        return (*self.leaves.values(), *([PendingRows(self)] if open_group else []))
+        return (*self.caches, *([PendingRows(self)] if open_group else []))
 
     def size(self) -> int:
         return self.offset

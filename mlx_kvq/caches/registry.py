@@ -152,6 +152,16 @@ def leaves(cache) -> list:
     return [cache]
 
 
+def report_leaves(cache) -> list:
+    """What a report lists for a slot: its leaves, with the report views of
+    deepseek_v41's open compression group (`PendingRows`), which are no caches."""
+    if type(cache) is KVQLayerCache:
+        return list(cache.report_members)
+    if type(cache) in CONTAINERS:
+        return [leaf for c in cache.caches for leaf in report_leaves(c)]
+    return [cache]
+
+
 def is_twin(cache) -> bool:
     """True for a cache mlx-kvq made (a declared quantized twin)."""
     return type(cache) in TWINS

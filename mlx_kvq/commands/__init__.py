@@ -5,6 +5,10 @@ processes and `mlx.launch` groups alike. Flags that several commands take
 are defined once (`flags.py`). A command raises on a setting it cannot
 honour; `main` prints the message and exits with status 2, before any
 weights are loaded wherever the config alone decides it.
+
+Every command runs MLX's float products on a fast BLAS (`use_fast_blas`,
+OpenBLAS on Linux): the program decides that here, once, since importing
+`mlx_kvq` leaves the process's BLAS alone.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..blas import use_fast_blas
 from . import bench, cache_prompt, generate, plan, serve
 from . import eval as eval_command
 
@@ -32,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv  # as given, for reports that record their command
     try:
+        use_fast_blas()  # a BlasError (bad MLX_KVQ_BLAS) is a ValueError: exit 2
         return int(args.run(args) or 0)
     except (ValueError, FileNotFoundError) as e:  # UnsupportedKVConfig is a ValueError
         print(f"mlx-kvq {args.command}: error: {e}", file=sys.stderr)

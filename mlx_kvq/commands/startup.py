@@ -1,7 +1,8 @@
 """What every command does before its own work: find the model, check, load.
 
 A setting that can be refused from `config.json` alone is refused here,
-before any weights are read (principle 1): `refuse_early` plans the KV
+before any weights are read (a refusal costs seconds at startup, not a failed
+first request after minutes of loading): `refuse_early` plans the KV
 caches from the config and raises `UnsupportedKVConfig` naming the layer.
 Errors are raised, never printed: `commands.main` turns them into exit
 status 2 with the message.

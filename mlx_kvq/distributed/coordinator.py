@@ -25,28 +25,40 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict
 from typing import Any
 
 from ..engine import (
     BudgetShare,
-    Checkpoint,
     Engine,
-    GenerationRequest,
     RankStatus,
     RankView,
-    SamplingParams,
-    Segment,
     StepCommands,
     StopNotice,
     WarmupVerdict,
 )
 from .group import exchange, gather_json, world
 from .heartbeat import Heartbeat, RankLoss
+from .wire import LocalFields, decode, encode
 
 log = logging.getLogger("mlx_kvq.distributed")
 
+# Fields of the step's messages that stay on rank 0, with the reason. Every
+# other field crosses to the other ranks (`wire.encode` raises on a value that
+# cannot), and tests/test_distributed_units.py checks each one arrives.
+LOCAL_ONLY: LocalFields = {}
+
 LOST_GRACE_S = 3.0  # how long an engine error waits for the watchdog to name a lost rank
+
+
+def commands_payload(commands: StepCommands) -> bytes:
+    """Rank 0's step commands for the other ranks: every field of every
+    request (the same prompt, sampling settings and checkpoints on every rank
+    mean the same model calls, so matched collectives), less `LOCAL_ONLY`."""
+    return json.dumps(encode(commands, LOCAL_ONLY)).encode()
+
+
+def commands_from_payload(payload: bytes) -> StepCommands:
+    return decode(StepCommands, json.loads(payload), LOCAL_ONLY)
 
 
 class GroupCoordinator:
@@ -86,15 +98,7 @@ class GroupCoordinator:
         self._busy_since = time.monotonic()
         payload = b""
         if self.rank == 0 and commands:
-            payload = json.dumps({
-                "submit": [
-                    {"id": r.id, "prompt": list(r.prompt), "params": asdict(r.params),
-                     "checkpoints": [[c.length, c.segment.value] for c in r.checkpoints]}
-                    for r in commands.submits
-                ],
-                "cancel": sorted(commands.cancels),
-                "stop": commands.stop,
-            }).encode()  # fmt: skip
+            payload = commands_payload(commands)
         if commands.stop:
             self._stop_normally()
         headers, payload = exchange([0, status.kv_bytes, status.prompt_cache_bytes], payload)
@@ -102,19 +106,10 @@ class GroupCoordinator:
         self.rank_prompt_cache = [h[2] for h in headers]
         if self.rank == 0 or not payload:
             return commands
-        cmd = json.loads(payload)
-        submits = []
-        for s in cmd["submit"]:
-            params = dict(s["params"])
-            params["stop"] = tuple(params.get("stop") or ())
-            # every rank must cut the prompt at the same places (the same model calls)
-            checkpoints = tuple(Checkpoint(n, Segment(kind)) for n, kind in s["checkpoints"])
-            submits.append(
-                GenerationRequest(s["prompt"], SamplingParams(**params), s["id"], checkpoints)
-            )
-        if cmd["stop"]:
+        cmd = commands_from_payload(payload)
+        if cmd.stop:
             self._stop_normally()
-        return StepCommands(tuple(submits), frozenset(cmd["cancel"]), cmd["stop"])
+        return cmd
 
     def agree_warmup(self, mine: WarmupVerdict) -> WarmupVerdict:
         batch = (mine.report or {}).get("batch")

@@ -112,26 +112,42 @@ def exchange(header: list[int], payload: bytes | None, group: mx.distributed.Gro
     return headers, (np.array(out).tobytes() if g.rank() else payload)
 
 
+def ring_leader_host(hostfile: str) -> str:
+    """Rank 0's address in a ring hostfile (`MLX_HOSTFILE`: a JSON list of
+    ranks, each a list of "ip:port" strings, as `mlx.launch` writes it).
+    A file that cannot be read that way raises ValueError naming it: the
+    heartbeat would otherwise listen on the wrong host."""
+    expected = 'expected a JSON list of ranks, each a list of "ip:port" strings'
+    try:
+        with open(hostfile) as f:
+            hosts = json.load(f)
+    except OSError as e:
+        raise ValueError(f"MLX_HOSTFILE={hostfile}: cannot be read ({e})") from e
+    except ValueError as e:
+        raise ValueError(f"MLX_HOSTFILE={hostfile}: not JSON ({e}); {expected}") from e
+    first = hosts[0] if isinstance(hosts, list) and hosts else None
+    if isinstance(first, list):
+        first = first[0] if first else None
+    if not isinstance(first, str) or not first.strip():
+        raise ValueError(
+            f"MLX_HOSTFILE={hostfile}: rank 0 has no address ({json.dumps(hosts)[:80]}); {expected}"
+        )
+    return first.rsplit(":", 1)[0]
+
+
 def env_leader_host() -> str:
     """The address of rank 0 as the launcher knows it (for the heartbeat channel).
 
     `MLX_KVQ_HEARTBEAT_HOST` wins; otherwise rank 0's address from the ring
-    hostfile (`MLX_HOSTFILE`), the JACCL coordinator or NCCL's host; else
-    loopback.
+    hostfile (`MLX_HOSTFILE`, which must be well formed: `ring_leader_host`),
+    the JACCL coordinator or NCCL's host; else loopback.
     """
     explicit = os.environ.get("MLX_KVQ_HEARTBEAT_HOST")
     if explicit:
         return explicit
     hostfile = os.environ.get("MLX_HOSTFILE")
     if hostfile:
-        try:
-            with open(hostfile) as f:
-                hosts = json.load(f)
-            first = hosts[0][0] if isinstance(hosts[0], list) else hosts[0]
-            if isinstance(first, str):
-                return first.rsplit(":", 1)[0]
-        except (OSError, ValueError, IndexError, KeyError, TypeError):
-            pass
+        return ring_leader_host(hostfile)
     coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
     if coordinator:
         return coordinator.rsplit(":", 1)[0]

@@ -29,6 +29,7 @@ from .requests import (
     TokenEvent,
     Usage,
 )
+from .scheduler import RequestStatus, StepPlan
 from .speculation import DraftModel
 from .warmup import Readiness, ReadinessState, Status, WarmupFailed, check_batch_path, warmup_spec
 
@@ -59,12 +60,14 @@ __all__ = [
     "RankView",
     "Rejection",
     "Readiness",
+    "RequestStatus",
     "ReadinessState",
     "SamplingParams",
     "Segment",
     "Shape",
     "Status",
     "StepCommands",
+    "StepPlan",
     "StopNotice",
     "TokenEvent",
     "Usage",

@@ -1,17 +1,18 @@
-"""The KV memory budget: admission by bytes, never by a guess.
+"""The KV memory budget's prices and bounds: what a batch of sequences holds.
 
-A request is admitted when the most its sequence can make the batch hold
-fits in what the budget has left; the prompt cache yields first. "The most"
-is an upper bound computed from the plan (`CostModel`), and it has to know
-how mlx-lm's `BatchGenerator` lays sequences out, because a batch is not a
-sum of independent caches:
+A request is admitted when what its sequence holds (its prompt and a small
+decode reserve) fits beside what the admitted sequences hold now; sequences
+grow as they decode (`memory.py`, `scheduler.py`). What a set of sequences
+holds is an upper bound computed from the plan (`CostModel`), and it has to
+know how mlx-lm's `BatchGenerator` lays sequences out, because a batch is
+not a sum of independent caches:
 
 - Rows are left-padded to a common length. A decoding batch (the
   generation batch) is as long as its longest sequence: full-attention
   layers hold `rows x (longest content + 255)` slots (the caches grow in
   256-token steps, `KVQCache.step`, and filtering a batch cuts the padding
-  no row needs). A sequence's content is at most its prompt plus
-  `max_tokens`.
+  no row needs). A sequence's content is at most the total its shape
+  allows (its tokens so far and its decode reserve).
 - Sliding-window layers hold at most `window` slots per row while decoding
   (a batch window is not cut back when long rows leave, so the bound is the
   window, not the longest row).
@@ -21,7 +22,8 @@ sum of independent caches:
   `window - 1 + chunk` slots (the chunk's keys must all be visible to its
   queries, as in mlx-lm's rotating cache), and full layers can carry up to
   one chunk of extra padding (rows that finish their prompt in a shorter
-  last chunk) until they move to the generation batch.
+  last chunk) until they move to the generation batch. Only rows in their
+  prompt are charged for it.
 - Before `--quantized-kv-start` tokens the caches are raw (the model's
   dtype), after it quantized: both are bounded.
 
@@ -33,10 +35,10 @@ sixteenth (at least `POOL_GROWTH` blocks) beyond what is used. A block
 shared with the prompt cache is the prompt cache's; the sequence's copy of
 a shared, partly filled block is its own. Layers that keep their own layout are priced as above.
 
-`CostModel.bound(shapes)` is the bound for a set of admitted sequences,
-`Ledger` keeps the admitted set of each rank and decides admission, and the
-engine measures what the caches really hold after every step (`Ledger.check`)
-against both the budget and the bound.
+`CostModel.bound(shapes, prompting)` is the bound for a set of sequences,
+`Ledger` keeps the admitted shapes of each rank and decides admission and
+growth, and the engine measures what the caches really hold after every
+step (`Ledger.check`) against both the budget and the bound.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ POOL_GROWTH = 1  # a block pool grows by at least this many blocks (BlockPool.mi
 
 @dataclass(frozen=True)
 class Shape:
-    """What one request can make its sequence hold: prompt and prompt + max_tokens."""
+    """What one sequence may hold: its prompt, and the tokens it may reach (its total)."""
 
     prompt: int
     total: int

@@ -46,9 +46,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import StopSequences
-from mlx_lm.sample_utils import greedy_sampler
 
-from mlx_kvq.caches import KVQWindowCache, cache_report, mapped_blocks
+from mlx_kvq.caches import cache_report, mapped_blocks
 from mlx_kvq.config import KVConfig
 from mlx_kvq.plan import KV_KINDS, KVPlan
 
@@ -598,6 +597,8 @@ class Engine:
         if plan.speculate is not None:
             seq = plan.speculate
             self._dequeue(seq.id)
+            self.prompt_cache.touch(seq.tokens)  # it yields before the copy is made
+            self.memory.trim_prompt_cache()
             self._guarded(seq, self._start_speculation)
             self.metrics.count_draft_request(speculative=True)
         for seq in plan.admitted:  # the prompt cache yields to them before their copies are made
@@ -949,10 +950,6 @@ class Engine:
         the pools' free blocks."""
         return self.prompt_cache.storage_nbytes() + self.runner.pool_rest_bytes()
 
-    def live_kv_bytes(self) -> int:
-        """KV bytes live sequences hold (batch, lane, draft model), measured."""
-        return self.runner.live_bytes()
-
     def _agree_budget(self) -> None:
         """Every rank's share of the budget (this process's alone, unless in a
         group), and the capacity line."""
@@ -998,80 +995,23 @@ class Engine:
         )
 
     # ------------------------------------------------------------ warm-up
-    def _warmup_speculation(self, filler: list[int]) -> dict:
-        """One greedy sequence through the lane, past every window of both
-        models, drafting and rewinding; the caches it leaves are checked."""
-        windows = [self.plan.max_window or 0, self.draft.plan.max_window or 0]
-        n = max(*windows, self.kv_config.quantized_start) + WARMUP_MARGIN
-        k = self.draft.num_draft_tokens
-        prompt = (filler * (n // len(filler) + 1))[:n]
-        want = 4 * (k + 1)
-        self.runner.lane.start(
-            "warm-up", prompt, self.plan.make_cache(), 0,
-            max_tokens=want, num_draft_tokens=k, sampler=greedy_sampler,
-        )  # fmt: skip
-        generated = accepted = 0
-        for _ in range(n + want):  # prefill chunks, then cycles of at least one token
-            work = self.runner.lane.step()
-            generated += len(work.tokens)
-            accepted += sum(t.from_draft for t in work.tokens)
-            if generated >= want:
-                break
-        target, draft = self.runner.lane.model_cache, self.runner.lane.draft_cache
-        held = [
-            (c.keys.length, c.max_size)
-            for c in target + draft
-            if isinstance(c, KVQWindowCache) and c.keys is not None
-        ]
-        report = verify_speculation(
-            self.kv_config, cache_report(target), cache_report(draft), held, k
-        )
-        self.runner.lane.take(generated)
-        report.update(
-            draft_model=self.draft.name, num_draft_tokens=k, prompt_tokens=n,
-            generated=generated, accepted=accepted,
-        )  # fmt: skip
-        log.info("speculative warm-up: %d tokens, %d drafted tokens accepted", generated, accepted)
-        return report
-
     def _warmup(self) -> WarmupVerdict:
-        """Run the readiness warm-up through the real batch path; this rank's verdict."""
+        """Run the readiness warm-up through the real batch path (and the
+        speculative lane, with a draft model); this rank's verdict."""
         t0 = time.monotonic()
         spec = warmup_spec(self.plan.max_window, self.kv_config, self.max_context)
         filler = list(self.tokenizer.encode(WARMUP_TEXT)) or [0]
         prompts = [(filler * (n // len(filler) + 1))[:n] for n in spec.prompt_lengths]
-        uids = self.runner.generator.insert(
-            prompts,
-            max_tokens=[spec.max_tokens] * len(prompts),
-            caches=[self.runner.for_batch(self.plan.make_cache()) for _ in prompts],
-            samplers=[greedy_sampler] * len(prompts),
-            stop_sequences=[StopSequences()] * len(prompts),  # no EOS: run every step
-        )
-        batch_report: list[dict] = []
-        finished: dict[int, tuple[list, int]] = {}
-        while len(finished) < len(uids):
-            _, responses = self.runner.generator.next()
-            caches = self.runner.caches()
-            if caches:
-                batch_report = cache_report(caches)
-            for r in responses:
-                self._samplers.vocab = r.logprobs.shape[-1]
-                if r.finish_reason is not None:
-                    finished[r.uid] = (r.prompt_cache, len(r.all_tokens))
-        longest_cache, longest = max(finished.values(), key=lambda x: x[1])
+        run = self.runner.warm_up(prompts, spec.max_tokens, self.plan.make_cache)
+        self._samplers.vocab = run.vocab or self._samplers.vocab
         try:
             report = verify_warmup(
-                self.kv_config,
-                len(self.plan.kv_layers),
-                batch_report,
-                cache_report(longest_cache),
-                longest,
-                spec,
-            )
+                self.kv_config, len(self.plan.kv_layers), run.batch_report, run.longest_report,
+                run.longest, spec,
+            )  # fmt: skip
         except WarmupFailed as e:
             log.error("%s", e)
             return WarmupVerdict(False, error=str(e))
-        del finished, longest_cache
         if self.runner.lane is not None:
             try:
                 report["speculative"] = self._warmup_speculation(filler)
@@ -1080,7 +1020,28 @@ class Engine:
                 return WarmupVerdict(False, error=f"speculative warm-up failed: {e}")
         mx.clear_cache()
         report["seconds"] = round(time.monotonic() - t0, 3)
-        kv = [s for s in batch_report if s["kind"] in KV_KINDS]
+        kv = [s for s in run.batch_report if s["kind"] in KV_KINDS]
         self._kv_fraction = (sum(bool(s["quantized"]) for s in kv), len(kv))
         log.info("warm-up done in %.2fs: %s", report["seconds"], report["batch"])
         return WarmupVerdict(True, report=report)
+
+    def _warmup_speculation(self, filler: list[int]) -> dict:
+        """One greedy sequence through the lane, past every window of both
+        models, drafting and rewinding; the caches it leaves are checked."""
+        windows = [self.plan.max_window or 0, self.draft.plan.max_window or 0]
+        n = max(*windows, self.kv_config.quantized_start) + WARMUP_MARGIN
+        k = self.draft.num_draft_tokens
+        prompt = (filler * (n // len(filler) + 1))[:n]
+        run = self.runner.warm_up_lane(prompt, self.plan.make_cache(), k, 4 * (k + 1))
+        report = verify_speculation(
+            self.kv_config, run.target_report, run.draft_report, run.windows, k
+        )
+        report.update(
+            draft_model=self.draft.name, num_draft_tokens=k, prompt_tokens=n,
+            generated=run.generated, accepted=run.accepted,
+        )  # fmt: skip
+        log.info(
+            "speculative warm-up: %d tokens, %d drafted tokens accepted",
+            run.generated, run.accepted,
+        )  # fmt: skip
+        return report

@@ -46,7 +46,7 @@ class Need:
 class Memory(Protocol):
     """What the scheduler asks of the memory accounting."""
 
-    def admit(self, need: Need, lane: bool = False) -> bool:
+    def admit(self, need: Need) -> bool:
         """Book a new (or resumed) sequence's prompt and decode reserve if it fits."""
 
     def grow(self, need: Need) -> bool:
@@ -127,11 +127,11 @@ class KVMemory:
         """The ledger's extras entry of a pinned prefix (never a request id)."""
         return -1 - (hash(key) & 0x7FFFFFFFFFFF)
 
-    def admit(self, need: Need, lane: bool = False) -> bool:
+    def admit(self, need: Need) -> bool:
         if self.ledger is None:
             return True
         prefix = None
-        if not lane and self.shared_prefix is not None and not self.group:
+        if not need.keep and self.shared_prefix is not None and not self.group:
             prefix = self.shared_prefix(need.request_id)
         pin = 0
         if prefix is not None:

@@ -10,7 +10,7 @@ logits only, so all of this is per request inside the continuous batch.
 
 Every processor runs inside `GuardedProcessor`: one that raises leaves its
 row unchanged for the step and records the error, and the engine fails
-that request alone (principle 7), as `sampling.Guarded` does for samplers.
+that request alone (one request must never fail the others), as `sampling.Guarded` does for samplers.
 """
 
 from __future__ import annotations

@@ -18,14 +18,18 @@ sampling go on exactly where they stopped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.sample_utils import greedy_sampler
 
 from mlx_kvq.caches import (
+    KVQWindowCache,
     Pages,
     PagesStats,
+    cache_report,
     mapped_blocks,
     page_caches,
     paging_refusal,
@@ -89,6 +93,31 @@ def choose_layout(plan: Any, block_size: int | None) -> Layout:
         f"paged: {len(probe.pools)} of {kv} KV layers in blocks of {block_size} tokens"
         + ("" if len(probe.pools) == kv else "; the others keep padded rows"),
     )
+
+
+@dataclass(frozen=True)
+class WarmupRun:
+    """What the warm-up batch left: the batch's cache report at its last step,
+    the report of its longest sequence's extracted cache and that sequence's
+    length, and the width of the model's logits."""
+
+    batch_report: list
+    longest_report: list
+    longest: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class LaneWarmupRun:
+    """What the warm-up sequence on the lane left: both models' cache reports,
+    the (slots held, window) of every window cache, tokens generated and
+    drafted tokens accepted."""
+
+    target_report: list
+    draft_report: list
+    windows: list
+    generated: int
+    accepted: int
 
 
 @dataclass(frozen=True)
@@ -250,5 +279,60 @@ class BatchRunner:
     def lane_step(self) -> LaneWork:
         return self.lane.step()
 
+    # ------------------------------------------------------------ warm-up
+    def warm_up(
+        self, prompts: list[list[int]], max_tokens: int, make_cache: Callable[[], list]
+    ) -> WarmupRun:
+        """Run `prompts` greedily through the batch for `max_tokens` tokens each
+        (no EOS: every step runs), as requests go."""
+        uids = self._bg.insert(
+            prompts,
+            max_tokens=[max_tokens] * len(prompts),
+            caches=[self.for_batch(make_cache()) for _ in prompts],
+            samplers=[greedy_sampler] * len(prompts),
+            stop_sequences=[StopSequences()] * len(prompts),
+        )
+        batch_report: list[dict] = []
+        finished: dict[int, tuple[list, int]] = {}
+        vocab = 0
+        while len(finished) < len(uids):
+            _, responses = self._bg.next()
+            caches = self.caches()
+            if caches:
+                batch_report = cache_report(caches)
+            for r in responses:
+                vocab = r.logprobs.shape[-1]
+                if r.finish_reason is not None:
+                    finished[r.uid] = (r.prompt_cache, len(r.all_tokens))
+        longest_cache, longest = max(finished.values(), key=lambda x: x[1])
+        return WarmupRun(batch_report, cache_report(longest_cache), longest, vocab)
 
-__all__ = ["BatchRunner", "BatchStep", "RunnerOptions", "Taken"]
+    def warm_up_lane(
+        self, prompt: list[int], cache: list, num_draft_tokens: int, want: int
+    ) -> LaneWarmupRun:
+        """One greedy sequence through the lane, prefilling `prompt` and drafting
+        until `want` tokens; the lane is free again afterwards."""
+        lane = self.lane
+        lane.start(
+            "warm-up", prompt, cache, 0,
+            max_tokens=want, num_draft_tokens=num_draft_tokens, sampler=greedy_sampler,
+        )  # fmt: skip
+        generated = accepted = 0
+        for _ in range(len(prompt) + want):  # prefill chunks, then cycles of at least one token
+            work = lane.step()
+            generated += len(work.tokens)
+            accepted += sum(t.from_draft for t in work.tokens)
+            if generated >= want:
+                break
+        target, draft = lane.model_cache, lane.draft_cache
+        windows = [
+            (c.keys.length, c.max_size)
+            for c in target + draft
+            if isinstance(c, KVQWindowCache) and c.keys is not None
+        ]
+        run = LaneWarmupRun(cache_report(target), cache_report(draft), windows, generated, accepted)
+        lane.take(generated)
+        return run
+
+
+__all__ = ["BatchRunner", "BatchStep", "LaneWarmupRun", "RunnerOptions", "Taken", "WarmupRun"]

@@ -9,7 +9,7 @@ the batch, so seeding never has to turn batching off.
 
 Every sampler is handed out inside a `Guarded` wrapper: a sampler that
 raises must fail its own requests, not the batch step that all requests
-share (principle 7), so the wrapper records the error, returns greedy tokens
+share (one request must never fail the others), so the wrapper records the error, returns greedy tokens
 to keep the step going, and the engine fails the requests using it.
 """
 

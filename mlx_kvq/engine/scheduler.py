@@ -195,6 +195,12 @@ class Scheduler:
         if preempted:
             return StepPlan(tuple(preempted), tuple(exhausted))
         to_batch, speculate, admitted = self._admit()
+        if not self.running and self.waiting and not admitted and speculate is None:
+            # nothing runs, so nothing will free memory: the head of the queue
+            # (a sequence preempted long, resuming through a prompt chunk) never fits
+            seq = self.waiting.popleft()
+            seq.status = RequestStatus.FINISHED
+            exhausted.append(seq)
         return StepPlan((), tuple(exhausted), to_batch, speculate, tuple(admitted))
 
     def _make_room(self) -> tuple[list[Sequence], list[Sequence]]:
@@ -232,12 +238,7 @@ class Scheduler:
         while self.waiting:
             seq = self.waiting[0]
             idle = not self.running and len(self.waiting) == 1
-            if (
-                self.lane
-                and seq.speculative
-                and idle
-                and self.memory.admit(seq.need(lane=True), lane=True)
-            ):
+            if self.lane and seq.speculative and idle and self.memory.admit(seq.need(lane=True)):
                 self._start(self.waiting.popleft(), lane=True)
                 speculate = seq
                 continue

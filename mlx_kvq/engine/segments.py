@@ -19,12 +19,16 @@ its answer (the next turn of a template that keeps history verbatim).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .prompts import chat_tokens
 from .requests import Checkpoint, Segment
 
 THINK_TAIL = 11  # tokens from the end searched for an opening think marker (mlx-lm's)
+
+log = logging.getLogger(__name__)
+_reported: set[str] = set()  # reasons already logged, so each is said once
 
 
 def chat_checkpoints(
@@ -62,7 +66,15 @@ def _system_end(tokenizer, messages, prompt, template_args, tools) -> int:
             tools,
             add_generation_prompt=False,
         )
-    except Exception:  # noqa: BLE001 - no segment then; the prompt itself rendered
+    except Exception as e:  # noqa: BLE001 - any template error: the prompt itself rendered
+        reason = f"{type(e).__name__}: {e}"
+        if reason not in _reported:
+            _reported.add(reason)
+            log.warning(
+                "system prompts are not cached for chats this template renders: it fails "
+                "on the system messages with an empty user turn (%s); such requests run "
+                "without a system-prompt prompt-cache copy", reason,
+            )  # fmt: skip
         return 0
     for i, (a, b) in enumerate(zip(alone, prompt, strict=False)):
         if a != b:
