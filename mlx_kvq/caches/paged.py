@@ -15,8 +15,9 @@ mlx-lm's `BatchGenerator` drives (`merge`, `extend`, `filter`, `extract`,
 `prepare`/`finalize`), with nothing padded: each row holds its own tokens,
 its `offset` is its own length, and attention receives `PagedKV` views
 (the pool and the tables) whose masks come from positions. A window row
-keeps the blocks its next queries can see (`window - 1` tokens before the
-chunk it writes) and returns older blocks to the pool. Their one-sequence
+keeps the blocks its next query can see (`window - 1` tokens before it)
+and returns older blocks to the pool as soon as the chunk it wrote has its
+view. Their one-sequence
 forms (`KVQPagedSequence`, what `extract` returns and the prompt cache
 keeps) only hold tables: the batch computes.
 """
@@ -520,7 +521,12 @@ class KVQPagedFullCache(PagedCache):
 
         self.pool.write(blocks, slots, k.map(tokens), v.map(tokens))
         self._sync()
-        return self.keys_and_values()
+        out = self.keys_and_values()
+        # A window keeps only what its next query sees: the view above holds its
+        # own copy of the tables and the pool's arrays as written now, so blocks
+        # go back at once (a prompt chunk's do not wait for the next step).
+        self._drop_old()
+        return out
 
     def keys_and_values(self):
         return self.pool.view(
