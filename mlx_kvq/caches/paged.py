@@ -38,10 +38,6 @@ from ..quant import PagedKV, Store
 DEFAULT_BLOCK_SIZE = 32
 
 
-class PoolFull(RuntimeError):
-    """The pool has no free block and may not grow (its block cap is reached)."""
-
-
 @dataclass(frozen=True)
 class PoolStats:
     """Blocks of one pool: allocated, used by some table, shared by several."""
@@ -62,7 +58,7 @@ class BlockPool:
     Storage is `(blocks, block_size, heads, dim)` per part, made at the first
     allocation (heads, dims and dtypes come from the first tokens written)
     and grown by a sixteenth (at least `min_growth` blocks) when no block is
-    free, never past `max_blocks` when that is set.
+    free; `compact` gives back what is free between steps.
     """
 
     def __init__(
@@ -71,7 +67,6 @@ class BlockPool:
         key_spec: QuantSpec,
         value_spec: QuantSpec,
         *,
-        max_blocks: int | None = None,
         min_growth: int = 1,
     ):
         if block_size < 1:
@@ -79,7 +74,6 @@ class BlockPool:
         self.block_size = block_size
         self.key_spec = key_spec
         self.value_spec = value_spec
-        self.max_blocks = max_blocks
         self.min_growth = max(1, min_growth)
         self.keys: Store | None = None
         self.values: Store | None = None
@@ -118,10 +112,6 @@ class BlockPool:
     def _grow(self, k: Store, v: Store) -> None:
         cap = self.capacity
         add = max(self.min_growth, cap // 16)
-        if self.max_blocks is not None:
-            add = min(add, self.max_blocks - cap)
-        if add <= 0:
-            raise PoolFull(f"the block pool is full ({cap} blocks of {self.block_size} tokens)")
 
         def zeros(a: mx.array) -> mx.array:
             return mx.zeros((add, self.block_size, a.shape[1], a.shape[-1]), a.dtype)
@@ -284,10 +274,11 @@ class BlockTable:
 
 def _depending(value, current: Store | None) -> Store | None:
     """A pool store given back as `mx.depends` returns it (its arrays)."""
-    if value is None or isinstance(value, Store) or current is None:
-        return value if isinstance(value, Store) or value is None else current
-    if isinstance(value, (list, tuple)) and len(value) == len(current.parts):
-        return Store(value, current.spec)
+    if value is None or isinstance(value, Store):
+        return value
+    if current is not None and isinstance(value, (list, tuple)):
+        if len(value) == len(current.parts):
+            return Store(value, current.spec)
     raise TypeError(f"a paged cache's keys/values take the pool's arrays back, got {type(value)}")
 
 
@@ -352,11 +343,6 @@ class PagedCache(BaseCache):
     @values.setter
     def values(self, value) -> None:
         self.pool.values = _depending(value, self.pool.values)
-
-    def release(self) -> None:
-        """Return every block now (also done when the cache is dropped)."""
-        for t in self.tables:
-            t.release()
 
     def blocks(self) -> set[int]:
         return {b for t in self.tables for b in t.ids}

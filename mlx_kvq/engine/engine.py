@@ -637,6 +637,7 @@ class Engine:
         cache, cached = self.prompt_cache.fetch(tokens)
         if cache is None:
             cache, cached = self.plan.make_cache(), 0
+        self.memory.mapped(seq.id, cached)
         if seq.preemptions == 0:
             seq.cached = cached
             self.metrics.record_cached_tokens(cached)

@@ -168,6 +168,10 @@ class KVMemory:
     def release(self, request_id: int, after_step: bool = False) -> None:
         if self.ledger is not None:
             self.ledger.release(request_id, after_step)
+        self.release_credit(request_id)
+
+    def release_credit(self, request_id: int) -> None:
+        """Drop a sequence's prefix credit (and the prefix's pin with its last user)."""
         prefix = self._credit.pop(request_id, None)
         if prefix is not None:
             self._pins[prefix[0]] -= 1
@@ -211,8 +215,22 @@ class KVMemory:
         if self.prompt_cache_bytes is not None and self.serving:
             caps.append(self.prompt_cache_bytes - self.live_bytes())
         if self.ledger is not None and not self.group:
-            caps.append(self.ledger.room())
+            # a pinned prefix is priced in the ledger and held by its entry: once
+            pinned = sum(self.ledger.extras.get(self._pin_id(k), 0) for k in self._pins)
+            caps.append(self.ledger.room() + pinned)
         return min(caps) if caps else None
+
+    def mapped(self, request_id: int, tokens: int) -> None:
+        """The tokens a sequence really mapped by reference when it was inserted:
+        if fewer than it was admitted with (its entry went in between), it is
+        priced for what it holds (measured against the budget as ever)."""
+        prefix = self._credit.get(request_id)
+        if prefix is None or tokens >= prefix[1] or self.ledger is None:
+            return
+        self.release_credit(request_id)
+        held = self.ledger.shapes.get(request_id)
+        if held is not None:
+            self.ledger.shapes[request_id] = Shape(held.prompt, held.total)
 
     def store_prompt(
         self, tokens: list[int], cache: list, segment: Segment = Segment.ANSWER
