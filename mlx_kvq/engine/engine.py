@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections import deque
@@ -67,6 +66,7 @@ from .coordinator import (
     StopNotice,
     WarmupVerdict,
 )
+from .inbox import Inbox, unavailable
 from .memory import KVMemory, Need
 from .metrics import BlockFigures, BudgetFigures, EngineMetrics
 from .processors import Grammars, make_processors
@@ -79,14 +79,12 @@ from .requests import (
     FinishEvent,
     FinishReason,
     GenerationRequest,
-    Message,
     Outcome,
     PromptProgress,
     Rejection,
     SamplingParams,
     Segment,
     Stop,
-    Submit,
     TokenEvent,
     Usage,
 )
@@ -199,9 +197,7 @@ class Engine:
         self.max_context = self.options.max_context
         self.draft = draft
         self._untrimmable = any(p.window is not None or p.kind == "state" for p in plan.layers)
-        self._inbox: queue.Queue[Message] = queue.Queue()
-        self._sinks: dict[int, EventSink] = {}  # submitted requests not yet accepted
-        self._queued: set[int] = set()  # ids submitted here and not yet admitted or ended
+        self.inbox = Inbox()
         self.layout = choose_layout(plan, self.options.block_size)
         log.info("KV layout of the batch: %s", self.layout.description)
         ledger: Ledger | None = None
@@ -260,8 +256,6 @@ class Engine:
             Limits(o.decode_concurrency, o.prompt_concurrency), self.memory, lane=draft is not None
         )
         self._kv_fraction = (0, 0)  # (quantized KV slots, KV slots) last seen
-        self._lock = threading.Lock()  # guards _closed, the inbox and the request sets
-        self._closed: str | None = None  # reason new requests are refused
         self._failed = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlx-kvq-engine", daemon=True)
@@ -279,15 +273,13 @@ class Engine:
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop the engine; requests still running are answered with an error."""
         self._stopping.set()
-        self._inbox.put(Stop())
+        self.inbox.post(Stop())
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     def drain(self, reason: str = SHUTTING_DOWN) -> None:
         """Refuse new requests (503) while those already submitted run to the end."""
-        with self._lock:
-            if self._closed is None:
-                self._closed = reason
+        self.inbox.close(reason)
         self.readiness.set_draining(reason)
 
     def fail(self, reason: str) -> None:
@@ -318,25 +310,19 @@ class Engine:
         A request whose prompt cannot fit the KV budget even alone (400) and
         one that finds the queue full (429) are refused at once, here.
         """
-        with self._lock:
-            if self._closed is not None:
-                refusal = ErrorEvent(self._closed, 503, "engine_unavailable")
-            else:
-                refusal = self._refusal(request)
-                if refusal is None:
-                    self._queued.add(request.id)
-                    self._inbox.put(Submit(request, sink))
-                    self.metrics.set_queue_depth(len(self._queued))
-                    return
-        sink(refusal)
+        refusal = self.inbox.offer(request, sink, self._refusal)
+        if refusal is not None:
+            sink(refusal)
+        else:
+            self.metrics.set_queue_depth(self.inbox.waiting)
 
-    def _refusal(self, request: GenerationRequest) -> ErrorEvent | None:
+    def _refusal(self, request: GenerationRequest, waiting: int) -> ErrorEvent | None:
         """A 400 for a request that can never fit the budget, a 429 when the queue is full."""
         refusal = self._too_large(request)
         if refusal is not None:
             return refusal
         limit = self.options.max_queued_requests
-        if limit is not None and len(self._queued) >= limit:
+        if limit is not None and waiting >= limit:
             self.metrics.count_rejection(Rejection.QUEUE_FULL)
             return ErrorEvent(
                 f"the server's queue is full ({limit} requests waiting, --max-queued-requests); "
@@ -380,7 +366,7 @@ class Engine:
 
     def cancel(self, request_id: int) -> None:
         """Drop a request (client gone); a no-op once it has finished."""
-        self._inbox.put(Cancel(request_id))
+        self.inbox.post(Cancel(request_id))
 
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -427,25 +413,18 @@ class Engine:
 
     def _end_all(self, reason: str) -> None:
         """Refuse new requests and answer every queued and running one with an error."""
-        with self._lock:
-            self._closed = reason
-            ended = self.scheduler.clear()
+        ended: list[Sequence] = []
+
+        def forget() -> None:
+            ended.extend(self.scheduler.clear())
             if self.runner.lane_busy:
                 self.runner.lane.drop()
-            self._queued.clear()
             self.memory.clear()
-            sinks, self._sinks = list(self._sinks.values()), {}
-            while True:
-                try:
-                    message = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(message, Submit):
-                    sinks.append(message.sink)
-        for sink in sinks:
-            sink(ErrorEvent(reason, 503, "engine_unavailable"))
+
+        for sink in self.inbox.shut(reason, forget):
+            sink(unavailable(reason))
         for seq in ended:
-            seq.sink(ErrorEvent(reason, 503, "engine_unavailable"))
+            seq.sink(unavailable(reason))
             self.metrics.count_request(Outcome.ERROR)
 
     def _wait_for_gate(self) -> bool:
@@ -461,30 +440,10 @@ class Engine:
         """This process's inbox as the step's commands (followers have no inbox)."""
         if not self.coordinator.leader:
             return StepCommands()
-        messages: list[Message] = []
-        try:
-            messages.append(
-                self._inbox.get(timeout=IDLE_POLL_S) if block else self._inbox.get_nowait()
-            )
-            while True:
-                messages.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
-        submits: list[GenerationRequest] = []
-        cancels: set[int] = set()
-        stop = False
-        for m in messages:
-            if isinstance(m, Stop):
-                stop = True
-            elif isinstance(m, Cancel):
-                cancels.add(m.request_id)
-            elif stop:  # queued behind the stop: refused, like any later request
-                self._dequeue(m.request.id)
-                m.sink(ErrorEvent(SHUTTING_DOWN, 503, "engine_unavailable"))
-            else:
-                self._sinks[m.request.id] = m.sink
-                submits.append(m.request)
-        return StepCommands(tuple(submits), frozenset(cancels), stop)
+        commands, refused = self.inbox.take(block, IDLE_POLL_S)
+        for sink in refused:
+            sink(unavailable(SHUTTING_DOWN))
+        return commands
 
     def _status(self) -> RankStatus:
         return RankStatus(
@@ -494,13 +453,12 @@ class Engine:
 
     def _apply(self, commands: StepCommands) -> None:
         for request in commands.submits:
-            self._accept(request, self._sinks.pop(request.id, _discard))
+            self._accept(request, self.inbox.sink(request.id, _discard))
         if commands.cancels:
             self._cancel(set(commands.cancels))
 
     def _dequeue(self, request_id: int) -> None:
-        with self._lock:
-            self._queued.discard(request_id)
+        self.inbox.admitted(request_id)
 
     def _accept(self, req: GenerationRequest, sink: EventSink) -> None:
         """Validate a request and queue it for the scheduler."""
@@ -986,7 +944,7 @@ class Engine:
             )  # fmt: skip
         waiting = self.scheduler.waiting
         self.metrics.set_state(
-            queue_depth=max(len(self._queued), len(waiting)),
+            queue_depth=max(self.inbox.waiting, len(waiting)),
             batch_size=self._batch_size if self.runner.rows else 0,
             kv_bytes_by_kind=by_kind,
             kv_layers=self._kv_fraction[1],
