@@ -34,7 +34,9 @@ from mlx_kvq.plan import plan_kv
 def decode_rate(model, make_cache, prompts: list[list[int]], steps: int) -> float:
     """Decode tokens/s of a batch of `prompts` after their prefill."""
     bg = BatchGenerator(model, completion_batch_size=len(prompts), prefill_batch_size=8)
-    bg.insert(prompts, max_tokens=[steps + 4] * len(prompts), caches=[make_cache() for _ in prompts])
+    bg.insert(
+        prompts, max_tokens=[steps + 4] * len(prompts), caches=[make_cache() for _ in prompts]
+    )
     while len(bg._generation_batch) < len(prompts):  # prefill
         bg.next()
     bg.next()
