@@ -29,7 +29,8 @@ import mlx_lm.models.base as mlx_base
 
 from .blas import fast_float32_products
 from .kernels import native_status, packed_scores, packed_weighted
-from .quant import QuantizedKV, rotate
+from .kernels import paged_attention as native_paged_attention
+from .quant import PagedKV, QuantizedKV, rotate
 
 # mlx-lm's own function, which its own QuantizedKVCache keeps using
 MLX_LM_ATTENTION = mlx_base.scaled_dot_product_attention
@@ -338,6 +339,72 @@ def quantized_attention(
     return out.astype(out_dtype)
 
 
+def _position_mask(L: int, base: int, end: int, window: int | None) -> mx.array:
+    """Which of the keys at positions [base, end) each of the last `L` queries sees."""
+    q = mx.arange(end - L, end)[:, None]
+    k = mx.arange(base, end)[None]
+    visible = k <= q
+    if window is not None:
+        visible = visible & (k > q - window)
+    return visible
+
+
+def paged_attention(
+    queries: mx.array,
+    keys: PagedKV,
+    values: PagedKV,
+    scale: float,
+    mask=None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Attention over K/V held in blocks (`PagedKV`), each row over its own tokens.
+
+    Masks come from positions (causal, and the window when the cache has
+    one): the model's own mask, laid out for a padded batch, does not apply,
+    so only None and "causal" are accepted. On the CPU with the native
+    kernels, few query rows (decode) read the blocks in place through the
+    tables (`kernels.paged_attention`). Otherwise (prefill chunks, raw
+    storage, Metal and any other backend) each row's blocks are gathered
+    into a contiguous copy of that row only and attended with MLX's
+    operations (`quantized_attention`, or `mx.fast` for raw K/V): nothing is
+    padded to the longest row.
+    """
+    if mask is not None and not isinstance(mask, str):
+        raise ValueError(
+            "paged K/V take masks from positions; this model passes a mask array "
+            "(serve it with the padded layout)"
+        )
+    B, n_q, L, D = queries.shape
+    n_kv = keys.pool.shape[2]
+    n_rep = n_q // n_kv
+    if keys.quantized and values.quantized and n_rep * L < _DEQUANT_ROWS and _native():
+        q = queries.astype(mx.float32) * scale
+        if keys.rotated:
+            q = rotate(q)
+        q = q.reshape(B, n_kv, n_rep * L, D)
+        out = native_paged_attention(q, keys, values, L, sinks).reshape(B, n_q, L, -1)
+        if values.rotated:
+            out = rotate(out)
+        return out.astype(queries.dtype)
+    out = []
+    for b in range(B):
+        base, end = keys.bases[b], keys.ends[b]
+        k, v = keys.row(b), values.row(b)
+        m = None
+        if L > 1 or (keys.window is not None and end - base > keys.window):
+            m = _position_mask(L, base, end, keys.window)
+        q = queries[b : b + 1]
+        if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):
+            out.append(quantized_attention(q, k, v, scale, m, sinks))
+        else:
+            out.append(
+                mx.fast.scaled_dot_product_attention(
+                    q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=m, sinks=sinks
+                )
+            )
+    return out[0] if B == 1 else mx.concatenate(out, axis=0)
+
+
 # -- dispatch and its verification ------------------------------------------
 _counter: Counter | None = None
 
@@ -354,6 +421,11 @@ def scaled_dot_product_attention(
     """Drop-in for `mlx_lm.models.base.scaled_dot_product_attention`."""
     mlx_lm_packed = isinstance(keys, tuple | list)
     packed = mlx_lm_packed or isinstance(keys, QuantizedKV) or isinstance(values, QuantizedKV)
+    if isinstance(keys, PagedKV):
+        if _counter is not None:
+            _counter["paged"] += 1
+            _counter["quantized" if keys.quantized else "full_precision"] += 1
+        return paged_attention(queries, keys, values, scale, mask, sinks)
     if _counter is not None:
         _counter["quantized" if packed else "full_precision"] += 1
         if cache is None:

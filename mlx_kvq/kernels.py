@@ -19,8 +19,9 @@ import os
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
-from .quant import QuantizedKV
+from .quant import PagedKV, QuantizedKV
 
 ENV = "MLX_KVQ_NATIVE"
 
@@ -109,3 +110,26 @@ def packed_scores(q: mx.array, k: QuantizedKV) -> mx.array:
 def packed_weighted(p: mx.array, v: QuantizedKV) -> mx.array:
     """float32 `p @ V` (B, H, M, D) from packed V (B, H, N, D)."""
     return _module.packed_weighted(p, v.data, v.scales, v.biases, v.group_size, v.bits)
+
+
+def paged_attention(
+    q: mx.array, keys: PagedKV, values: PagedKV, L: int, sinks: mx.array | None
+) -> mx.array:
+    """float32 attention of `q` (B, H_kv, n_rep * L, Dk), scaled and in the keys'
+    basis, over packed block pools read through the rows' block tables: each
+    row reads only its own blocks (see `PagedKV`). `sinks`: one logit per
+    query head, or None."""
+    k, v = keys.pool, values.pool
+    B = len(keys.tables)
+    width = max((len(t) for t in keys.tables), default=0)
+    tables = np.zeros((B, max(1, width)), dtype=np.int32)
+    for i, t in enumerate(keys.tables):
+        tables[i, : len(t)] = t
+    has_sinks = sinks is not None
+    return _module.paged_attention(
+        q, k.data, k.scales, k.biases, v.data, v.scales, v.biases,
+        mx.array(tables), mx.array(np.asarray(keys.bases, dtype=np.int32)),
+        mx.array(np.asarray(keys.ends, dtype=np.int32)),
+        sinks.reshape(-1) if has_sinks else mx.zeros((1,)),
+        L, keys.window or 0, k.bits, k.group_size, v.bits, v.group_size, has_sinks,
+    )  # fmt: skip

@@ -79,6 +79,57 @@ class QuantizedKV:
         return rotate(x) if self.rotated else x
 
 
+@dataclass(frozen=True)
+class PagedKV:
+    """Keys or values held in fixed-size blocks, as attention receives them.
+
+    `pool` is the layer's whole block pool, `(blocks, block_size, heads,
+    dim)` (a `QuantizedKV` of packed parts, or a raw array). Row `b` of the
+    batch holds the tokens at positions `[bases[b], ends[b])`, slot `j` of
+    them in block `tables[b][j // block_size]`; nothing is laid out per row.
+    Its queries are the last positions before `ends[b]`, and they see the
+    keys at or before their own position, within `window` positions when a
+    window is set (the mask is derived from positions, never padded).
+    """
+
+    pool: QuantizedKV | mx.array
+    tables: tuple[tuple[int, ...], ...]  # block ids per row, oldest first
+    bases: tuple[int, ...]  # position of each row's first table slot
+    ends: tuple[int, ...]  # tokens each row holds up to (exclusive)
+    block_size: int
+    window: int | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.pool, QuantizedKV)
+
+    @property
+    def rotated(self) -> bool:
+        return self.quantized and self.pool.rotated
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Logical (rows, heads, longest row, dim); nothing has this shape in memory."""
+        _, _, heads, dim = self.pool.shape
+        longest = max((e - b for b, e in zip(self.bases, self.ends, strict=True)), default=0)
+        return (len(self.tables), heads, longest, dim)
+
+    def row(self, b: int) -> QuantizedKV | mx.array:
+        """Row `b`'s tokens `[bases[b], ends[b])` gathered into `(1, heads, n, dim)`
+        (a copy of that row's blocks only)."""
+        ids = mx.array(self.tables[b], dtype=mx.int32)
+        n = self.ends[b] - self.bases[b]
+
+        def gather(a: mx.array) -> mx.array:
+            g = a[ids]
+            g = g.reshape(-1, *g.shape[2:])[:n]
+            return g.transpose(1, 0, 2)[None]
+
+        if isinstance(self.pool, QuantizedKV):
+            return self.pool.map(gather)
+        return gather(self.pool)
+
+
 class Store:
     """A K or V buffer along the token axis (-2), raw or quantized."""
 

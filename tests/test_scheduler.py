@@ -37,6 +37,7 @@ from mlx_kvq.engine.budget import Share, share_for
 from mlx_kvq.engine.memory import DECODE_RESERVE, KVMemory
 from mlx_kvq.engine.prompt_cache import PromptCache
 from mlx_kvq.engine.prompts import chat_tokens
+from mlx_kvq.engine.runner import choose_layout
 from mlx_kvq.engine.scheduler import Limits, RequestStatus, Scheduler, Sequence
 from mlx_kvq.engine.stops import StopMatcher
 from mlx_kvq.plan import plan_kv
@@ -94,10 +95,19 @@ def run(engine, prompts, **params) -> list[Collector]:
     return sinks
 
 
+def priced(plan, budget: int, step: int = 2048) -> Share:
+    """A share of `budget` priced as the engine lays the batch out."""
+    layout = choose_layout(plan, EngineOptions().block_size)
+    return share_for(
+        plan, budget, prefill_step=step, prompt_rows=8, paged=layout.paged,
+        block_size=layout.block_size or 0,
+    )  # fmt: skip
+
+
 def holds(plan, rows: int, prompt: int, total: int, prompting: int, step: int = 2048) -> int:
     """The bound of `rows` sequences of `prompt` -> `total` tokens, `prompting`
     of them in their prompt (processed in chunks of `step` tokens)."""
-    cost = share_for(plan, 1, prefill_step=step, prompt_rows=8).cost
+    cost = priced(plan, 1, step).cost
     shapes = [Shape(prompt, total)] * rows
     return cost.bound(shapes, shapes[:prompting])
 
@@ -163,14 +173,14 @@ def test_a_budget_too_small_preempts_and_every_text_is_unchanged(
 
 
 class TwoRanks(LocalCoordinator):
-    """A group of two in one process: the other rank holds a third of this one's budget."""
+    """A group of two in one process: the other rank holds half of this one's budget."""
 
     def agree_budget(self, mine: BudgetShare):
-        return [mine, BudgetShare(mine.budget // 3, mine.cost, mine.unquantized)], 0
+        return [mine, BudgetShare(mine.budget // 2, mine.cost, mine.unquantized)], 0
 
 
 def test_a_group_admits_and_preempts_by_its_smallest_rank(scripted):
-    """This rank's budget holds all eight whole; the other rank's third does
+    """This rank's budget holds all eight whole; the other rank's half does
     not: the group admits, grows and preempts by it, texts unchanged."""
     model, tokenizer, plan = scripted
     prompts = [chat(tokenizer, i) for i in range(N)]
@@ -237,7 +247,7 @@ def test_states_admission_order_and_vllm_preemption(scripted):
     unable to grow, a sequence is exhausted."""
     _, _, plan = scripted
     budget = holds(plan, 3, 50, 50 + DECODE_RESERVE, 3, step=8)
-    share = share_for(plan, budget, prefill_step=8, prompt_rows=8)
+    share = priced(plan, budget, 8)
     memory = KVMemory(Ledger([Share(budget, share.cost)]), PromptCache(0))
     scheduler = Scheduler(Limits(decode_rows=8, prompt_rows=8), memory)
     seqs = [sequence(50) for _ in range(4)]

@@ -7,15 +7,29 @@ from .chunked import KVQChunkedCache
 from .full import KVQBatchFullCache, KVQFullCache
 from .indexer import KVQBatchIndexerCache, KVQIndexerCache
 from .layer import KVQLayerCache
+from .paged import (
+    BlockPool,
+    KVQPagedFullCache,
+    KVQPagedSequence,
+    KVQPagedWindowCache,
+    PagedCache,
+    Pages,
+    PagesStats,
+)
 from .registry import (
     PROMPT_FILE_CLASSES,
     REGISTRY,
     is_twin,
     leaves,
     lookup,
+    mapped_blocks,
+    page_caches,
+    pages_slot,
+    paging_refusal,
     quantize_cache,
     register_for_prompt_files,
     report_leaves,
+    unpage_caches,
 )
 from .window import KVQBatchWindowCache, KVQWindowCache
 
@@ -26,6 +40,18 @@ from .window import KVQBatchWindowCache, KVQWindowCache
 register_for_prompt_files()
 
 __all__ = [
+    "BlockPool",
+    "KVQPagedFullCache",
+    "KVQPagedSequence",
+    "KVQPagedWindowCache",
+    "PagedCache",
+    "Pages",
+    "PagesStats",
+    "mapped_blocks",
+    "page_caches",
+    "pages_slot",
+    "paging_refusal",
+    "unpage_caches",
     "DEQUANTIZED",
     "PACKED",
     "PROMPT_FILE_CLASSES",
@@ -53,7 +79,7 @@ def _entry(c) -> dict:
     kind = lookup(c)
     name = kind.name if kind else type(c).__name__
     nbytes = c.nbytes if not c.empty() else 0
-    if isinstance(c, KVQCache):
+    if isinstance(c, (KVQCache, PagedCache)):
         return {"kind": name, "quantized": c.quantized, "nbytes": nbytes, "tokens": int(c.size())}
     tokens = c.size() if hasattr(c, "size") else 0
     return {"kind": name, "quantized": False, "nbytes": nbytes, "tokens": int(tokens)}

@@ -7,7 +7,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
 from ..config import QuantSpec
-from ..quant import dynamic_roll
+from ..quant import Store, dynamic_roll
 from .base import PACKED, KVQCache
 from .batch import BatchKVQCache, merge_stores
 
@@ -46,6 +46,23 @@ class KVQFullCache(KVQCache):
 
     def size(self) -> int:
         return self.offset
+
+    def held(self) -> tuple[Store, Store] | None:
+        """The stores of the tokens held (None when empty)."""
+        if self._keys is None or self.offset == 0:
+            return None
+        return self._keys[..., : self.offset, :], self._values[..., : self.offset, :]
+
+    @classmethod
+    def holding(
+        cls, keys: Store, values: Store, key_spec: QuantSpec, value_spec: QuantSpec, dtype
+    ) -> KVQFullCache:
+        """A cache holding `keys`/`values` (1, H, n, D), the first n tokens."""
+        q = cls(key_spec, value_spec)
+        q.dtype = dtype
+        q._keys, q._values = keys, values
+        q.offset = keys.length
+        return q
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)

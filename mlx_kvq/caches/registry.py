@@ -21,6 +21,14 @@ from .chunked import KVQChunkedCache
 from .full import KVQBatchFullCache, KVQFullCache
 from .indexer import KVQBatchIndexerCache, KVQIndexerCache
 from .layer import KVQCompressedRows, KVQIndexRows, KVQLayerCache, KVQWindowRows, PendingRows
+from .paged import (
+    KVQPagedFullCache,
+    KVQPagedFullSequence,
+    KVQPagedSequence,
+    KVQPagedWindowCache,
+    KVQPagedWindowSequence,
+    Pages,
+)
 from .window import KVQBatchWindowCache, KVQWindowCache
 
 Converter = Callable[[object, QuantSpec, QuantSpec, int, str], KVQCache]
@@ -38,6 +46,11 @@ class CacheKind:
     convert: Converter | None
     window: Callable[[object], int | None] = lambda c: None
     one_sequence: bool = False  # its batch form holds one sequence
+    # Its K/V can live in block pools (caches/paged.py). Kinds that hold
+    # little or whose layout attention does not read through block tables
+    # keep their own layout: MLA hand-outs and indexers, chunked attention
+    # (llama4's chunk-local mask), deepseek_v41's layer cache, recurrent state.
+    paged: bool = False
 
 
 def _own(x):
@@ -91,8 +104,12 @@ REGISTRY: dict[type, CacheKind] = {
     mlx_cache.BatchKVCache: CacheKind("full", _batch_full),
     mlx_cache.BatchRotatingKVCache: CacheKind("sliding", _batch_window, lambda c: c.max_size),
     mlx_cache.ArraysCache: CacheKind("state", None),
-    KVQFullCache: CacheKind("full", _same),
-    KVQWindowCache: CacheKind("sliding", _same, lambda c: c.max_size),
+    KVQFullCache: CacheKind("full", _same, paged=True),
+    KVQWindowCache: CacheKind("sliding", _same, lambda c: c.max_size, paged=True),
+    KVQPagedFullSequence: CacheKind("full", _same, paged=True),
+    KVQPagedWindowSequence: CacheKind("sliding", _same, lambda c: c.window, paged=True),
+    KVQPagedFullCache: CacheKind("full", _same, paged=True),
+    KVQPagedWindowCache: CacheKind("sliding", _same, lambda c: c.window, paged=True),
     KVQChunkedCache: CacheKind("chunked", _same, lambda c: c.chunk_size),
     KVQBatchFullCache: CacheKind("full", _same),
     KVQBatchWindowCache: CacheKind("sliding", _same, lambda c: c.max_size),
@@ -203,3 +220,96 @@ def register_for_prompt_files() -> None:
     for name, cls in PROMPT_FILE_CLASSES.items():
         if cls.__module__.startswith("mlx_kvq."):
             setattr(mlx_cache, name, cls)
+
+
+# -- the paged layout -------------------------------------------------------------
+# Models whose attention takes mask arrays it builds itself, laid out for a
+# padded batch: their layers keep the padded layout (paged attention derives
+# masks from positions).
+UNPAGED_MODELS: dict[str, str] = {
+    "minimax_m3_vl": "its sparse attention passes its own top-k mask arrays",
+}
+
+
+def paging_refusal(model_type: str) -> str | None:
+    """Why a model keeps the padded layout (None: its pageable layers page)."""
+    return UNPAGED_MODELS.get(model_type)
+
+
+def pages_slot(cache) -> bool:
+    """Whether `cache` (one leaf) goes into a block pool: a kind declared
+    `paged`, handing attention packed K/V (attention reads `PagedKV`), stored
+    in its final form from the first token (`--quantized-kv-start` 0), with
+    no sink tokens and no rewind (speculative decoding keeps its own caches)."""
+    kind = lookup(cache)
+    if kind is None or not kind.paged:
+        return False
+    if isinstance(cache, KVQPagedSequence):
+        return True
+    return (
+        cache.hand_out == PACKED
+        and cache.start == 0
+        and getattr(cache, "keep", 0) == 0
+        and not getattr(cache, "rewind", 0)
+    )
+
+
+def _page_leaf(cache, key: tuple[int, int | None], pages: Pages):
+    if isinstance(cache, KVQPagedSequence) or not pages_slot(cache):
+        return cache
+    pool = pages.pool(key, cache.key_spec, cache.value_spec)
+    window = lookup(cache).window(cache)
+    held = cache.held()
+    if held is None:
+        return KVQPagedSequence(pool, window)
+    return KVQPagedSequence.holding(pool, window, *held, cache.offset)
+
+
+def page_caches(caches: list, pages: Pages) -> list:
+    """One sequence's caches with every pageable slot in `pages`' pools (tokens
+    a cache of another layout holds are written into new blocks)."""
+    out = []
+    for slot, c in enumerate(caches):
+        if type(c) is mlx_cache.CacheList:
+            members = [_page_leaf(m, (slot, i), pages) for i, m in enumerate(c.caches)]
+            out.append(mlx_cache.CacheList(*members))
+        else:
+            out.append(_page_leaf(c, (slot, None), pages))
+    return out
+
+
+def _unpage_leaf(cache):
+    if not isinstance(cache, KVQPagedSequence):
+        return cache
+    k, v = cache.key_spec, cache.value_spec
+    if cache.table.length == 0:
+        if cache.window is None:
+            return KVQFullCache(k, v)
+        return KVQWindowCache(cache.window, k, v)
+    keys, values = cache.held()
+    base = cache.table.base
+    if cache.window is None:
+        return KVQFullCache.holding(keys, values, k, v, None)
+    return KVQWindowCache.holding(cache.window, keys, values, base + keys.length, k, v, None)
+
+
+def unpage_caches(caches: list) -> list:
+    """One sequence's caches in their own layout again (copies of their blocks),
+    for code that runs one sequence outside the batch (speculative decoding)."""
+    out = []
+    for c in caches:
+        if type(c) is mlx_cache.CacheList:
+            out.append(mlx_cache.CacheList(*(_unpage_leaf(m) for m in c.caches)))
+        else:
+            out.append(_unpage_leaf(c))
+    return out
+
+
+def mapped_blocks(caches: list) -> int:
+    """Pool blocks one sequence's caches refer to (0 for other layouts)."""
+    return sum(
+        len(leaf.table.ids)
+        for c in caches
+        for leaf in leaves(c)
+        if isinstance(leaf, KVQPagedSequence)
+    )

@@ -121,6 +121,34 @@ class KVQWindowCache(KVQCache):
             k, v = k[..., : self.offset, :], v[..., : self.offset, :]
         return self._hand_out(k, v)
 
+    def held(self) -> tuple[Store, Store] | None:
+        """The stores of the tokens held, oldest first (None when empty)."""
+        if self._keys is None or self.offset == 0:
+            return None
+        n = self.size()
+        k, v = self._temporal_order(self._keys), self._temporal_order(self._values)
+        return k[..., -n:, :], v[..., -n:, :]
+
+    @classmethod
+    def holding(
+        cls,
+        max_size: int,
+        keys: Store,
+        values: Store,
+        offset: int,
+        key_spec: QuantSpec,
+        value_spec: QuantSpec,
+        dtype,
+    ) -> KVQWindowCache:
+        """A window holding the last tokens before `offset` (`keys`/`values`
+        (1, H, n, D), oldest first; only the last `max_size` are kept)."""
+        q = cls(max_size, key_spec, value_spec)
+        q.dtype = dtype
+        n = min(keys.length, max_size)
+        q._keys, q._values = keys[..., -n:, :], values[..., -n:, :]
+        q.offset, q._idx = offset, n
+        return q
+
     # -- masks --------------------------------------------------------------
     def slot_positions(self) -> mx.array:
         """Absolute token position each returned slot will hold after a

@@ -118,8 +118,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=parse_size,
         default=None,
         help="KV memory budget: live sequences and the prompt cache together, e.g. 2GiB; "
-        "a request is admitted when its worst case fits what is left (default: derived "
+        "a request is admitted when its prompt fits beside what running sequences hold "
+        "(default: derived "
         "from the machine, less the weights, and printed at startup)",
+    )
+    p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=0,
+        help="tokens per block of the paged KV layout (full-attention and sliding-window "
+        "layers held in blocks, shared prompt prefixes held once; 32 is a good size); "
+        "0, the default for now, keeps mlx-lm's left-padded rows",
     )
     p.add_argument(
         "--max-queued-requests",
@@ -188,6 +197,8 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise ValueError("--max-queued-requests must be at least 1")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be >= 0")
+    if args.kv_block_size < 0:
+        raise ValueError("--kv-block-size must be >= 0 (0: padded rows)")
     check_template_kwargs(args.chat_template_args, "--chat-template-args")
     check_api_key(args.api_key or os.environ.get(API_KEY_ENV) or None)
 
@@ -241,6 +252,7 @@ def engine_options(
         prompt_cache_bytes=args.prompt_cache_bytes,
         max_context=max_context,
         kv_cache_memory=kv_cache_memory,
+        block_size=args.kv_block_size or None,
         max_queued_requests=args.max_queued_requests,
         warmup_gate=warmup_gate,
     )

@@ -12,7 +12,7 @@ from .coordinator import (
     WarmupVerdict,
 )
 from .engine import SHUTTING_DOWN, Engine, EngineOptions
-from .metrics import BudgetFigures, EngineMetrics, MetricsSnapshot
+from .metrics import BlockFigures, BudgetFigures, EngineMetrics, MetricsSnapshot
 from .prompt_cache import PromptCache
 from .requests import (
     Checkpoint,
@@ -35,6 +35,7 @@ from .warmup import Readiness, ReadinessState, Status, WarmupFailed, check_batch
 
 __all__ = [
     "SHUTTING_DOWN",
+    "BlockFigures",
     "BudgetFigures",
     "BudgetShare",
     "Capacity",

@@ -27,6 +27,14 @@ not a sum of independent caches:
 - Before `--quantized-kv-start` tokens the caches are raw (the model's
   dtype), after it quantized: both are bounded.
 
+With the paged layout (`caches/paged.py`) the layers that page hold no
+padding: each sequence holds its own tokens in blocks of `block_size`
+(rounded up; a window at most `window - 1` tokens before the chunk it
+writes, plus its partly used first block), and the pools grow by a
+sixteenth (at least `POOL_GROWTH` blocks) beyond what is used. A block
+shared with the prompt cache is the prompt cache's; the sequence's copy of
+a shared, partly filled block is its own. Layers that keep their own layout are priced as above.
+
 `CostModel.bound(shapes, prompting)` is the bound for a set of sequences,
 `Ledger` keeps the admitted shapes of each rank and decides admission and
 growth, and the engine measures what the caches really hold after every
@@ -48,6 +56,7 @@ CPU_RAM_SHARE = 0.5  # default budget without Metal: this share of RAM, less the
 METAL_SHARE = 0.9  # with Metal: this share of the recommended working set, less the weights
 CAPACITY_TOKENS = 8192  # the capacity line counts sequences of this many tokens (or the context)
 LONGEST_PROBE = 1 << 20  # the longest sequence the capacity line looks for, without a context
+POOL_GROWTH = 1  # a block pool grows by at least this many blocks (BlockPool.min_growth)
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ class Shape:
 
     prompt: int
     total: int
+    shared: int = 0  # leading tokens of full-attention blocks mapped by reference (paged)
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,7 @@ class SlotCost:
     window: int | None  # None: full attention (grows with the sequence)
     stored: int  # bytes per token as stored (quantized where the plan quantizes)
     raw: int  # bytes per token in the model's dtype (before quantized_kv_start)
+    paged: bool = False  # held in a block pool (the paged layout)
 
 
 @dataclass(frozen=True)
@@ -77,24 +88,56 @@ class CostModel:
     prefill_step: int = 2048
     prompt_rows: int = 8
     setting: str = ""  # the KV setting in words, e.g. "K4/V3"
+    block_size: int = 0  # tokens per block of the paged slots (0: none page)
 
     @classmethod
     def from_plan(
-        cls, plan: KVPlan, *, prefill_step: int, prompt_rows: int, quantized: bool = True
+        cls,
+        plan: KVPlan,
+        *,
+        prefill_step: int,
+        prompt_rows: int,
+        quantized: bool = True,
+        paged: frozenset = frozenset(),
+        block_size: int = 0,
     ) -> CostModel:
-        """Costs of `plan`'s slots; `quantized=False` prices the same model unquantized."""
+        """Costs of `plan`'s slots; `quantized=False` prices the same model
+        unquantized; `paged`: the (slot, member) keys held in block pools of
+        `block_size` tokens."""
         slots = []
         for p in plan.kv_layers:
             raw = _per_token(p, QuantSpec(None), QuantSpec(None))
             keep = quantized and not p.skipped
             stored = _per_token(p, p.key_spec, p.value_spec) if keep else raw
-            slots.append(SlotCost(p.window, stored, raw))
+            slots.append(SlotCost(p.window, stored, raw, (p.slot, p.member) in paged))
         state = sum(p.state_bytes for p in plan.layers if p.kind == "state")
         return cls(
             tuple(slots), state, plan.config.quantized_start if quantized else 0,
             max(1, prefill_step), max(1, prompt_rows),
             setting_label(plan.config) if quantized else "unquantized",
+            block_size if paged else 0,
         )  # fmt: skip
+
+    # -- the paged slots ---------------------------------------------------------
+    def _paged_row(self, shape: Shape, prompting: bool) -> int:
+        """What one sequence holds in the block pools (no padding to other rows)."""
+        bs = self.block_size
+        total = 0
+        for s in self.slots:
+            if not s.paged:
+                continue
+            blocks = -(-(shape.total - shape.shared) // bs)
+            if s.window is not None:
+                blocks = -(-shape.total // bs)
+                chunk = min(self.prefill_step, shape.prompt) if prompting else 1
+                blocks = min(blocks, -(-(s.window - 1 + chunk) // bs) + 1)
+            total += self.slot_bytes(s, blocks * bs)
+        return total
+
+    def _pool_slack(self, used: int) -> int:
+        """Free blocks a pool may hold beyond `used` bytes (its last growth)."""
+        per_block = sum(s.stored * self.block_size for s in self.slots if s.paged)
+        return used // 16 + POOL_GROWTH * per_block
 
     # -- one slot ------------------------------------------------------------
     def slot_bytes(self, s: SlotCost, n: int) -> int:
@@ -109,6 +152,8 @@ class CostModel:
         plus `window_extra` - 1 slots while a prompt chunk is in them."""
         total = self.state_bytes
         for s in self.slots:
+            if s.paged:
+                continue
             if s.window is None:
                 n = full
             elif window_extra is None:
@@ -134,9 +179,23 @@ class CostModel:
         shapes = list(shapes)
         if not shapes:
             return 0
+        prompting = shapes if prompting is None else list(prompting)
+        if self.block_size:
+            pending = list(prompting)
+            paged = 0
+            for s in shapes:
+                in_prompt = s in pending
+                if in_prompt:
+                    pending.remove(s)
+                paged += self._paged_row(s, in_prompt)
+            paged += self._pool_slack(paged)
+            return paged + self._padded_bound(shapes, prompting)
+        return self._padded_bound(shapes, prompting)
+
+    def _padded_bound(self, shapes: list[Shape], prompting: list[Shape]) -> int:
+        """`bound` of the slots that keep mlx-lm's left-padded rows."""
         n = len(shapes)
         longest = max(s.total for s in shapes)
-        prompting = shapes if prompting is None else list(prompting)
         decoding, _ = self.row_bounds(longest, 1)
         if not prompting:
             return n * decoding
@@ -150,11 +209,25 @@ class CostModel:
         total = self.state_bytes
         for s in self.slots:
             n = tokens if s.window is None else min(tokens, s.window - 1 + self.prefill_step)
+            if s.paged:
+                n = (-(-n // self.block_size) + 1) * self.block_size
             total += self.slot_bytes(s, n)
         return total
 
     def sequences(self, budget: int, shape: Shape) -> int:
         """How many sequences of `shape` a budget of `budget` bytes holds at once."""
+        if self.block_size:
+
+            def fits(n: int) -> bool:
+                return self.bound([shape] * n, [shape] * min(n, self.prompt_rows)) <= budget
+
+            lo, hi = 0, 1
+            while fits(hi):
+                lo, hi = hi, hi * 2
+            while lo + 1 < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            return lo
         decoding, prompting = self.row_bounds(shape.total, shape.prompt)
         first = max(decoding, prompting)  # the rows that may be in their prompt
         if first <= 0:
@@ -166,9 +239,9 @@ class CostModel:
         return int(self.prompt_rows + left // max(decoding, 1))
 
     def unquantized(self) -> CostModel:
-        slots = tuple(SlotCost(s.window, s.raw, s.raw) for s in self.slots)
+        slots = tuple(SlotCost(s.window, s.raw, s.raw, s.paged) for s in self.slots)
         return CostModel(slots, self.state_bytes, 0, self.prefill_step, self.prompt_rows,
-                         "unquantized")  # fmt: skip
+                         "unquantized", self.block_size)  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -354,7 +427,8 @@ class Ledger:
     def grow(self, request_id: int, total: int, extra_bytes: int | None = None) -> bool:
         """Let an admitted sequence reach `total` tokens (and hold `extra_bytes`
         besides, when given) if every rank still fits; False otherwise."""
-        shape = Shape(self.shapes[request_id].prompt, total)
+        held = self.shapes[request_id]
+        shape = Shape(held.prompt, total, held.shared)
         more = 0 if extra_bytes is None else extra_bytes - self.extras.get(request_id, 0)
         if not all(
             self._bound(s, swap=(request_id, shape), extra=more) <= s.budget for s in self.shares
@@ -505,10 +579,22 @@ def capacity_tokens(max_context: int | None) -> int:
     return min(max_context or CAPACITY_TOKENS, CAPACITY_TOKENS)
 
 
-def share_for(plan: KVPlan, budget: int, *, prefill_step: int, prompt_rows: int) -> Share:
+def share_for(
+    plan: KVPlan,
+    budget: int,
+    *,
+    prefill_step: int,
+    prompt_rows: int,
+    paged: frozenset = frozenset(),
+    block_size: int = 0,
+) -> Share:
     """This process's share: `budget` bytes, priced from `plan` (and unquantized,
-    for the capacity line's comparison)."""
-    cost = CostModel.from_plan(plan, prefill_step=prefill_step, prompt_rows=prompt_rows)
+    for the capacity line's comparison); `paged`, `block_size`: the slots the
+    paged layout holds in block pools."""
+    cost = CostModel.from_plan(
+        plan, prefill_step=prefill_step, prompt_rows=prompt_rows, paged=paged,
+        block_size=block_size,
+    )  # fmt: skip
     return Share(int(budget), cost, cost.unquantized())
 
 

@@ -46,7 +46,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import StopSequences
 
-from mlx_kvq.caches import cache_report
+from mlx_kvq.caches import cache_report, mapped_blocks
 from mlx_kvq.config import KVConfig
 from mlx_kvq.plan import KV_KINDS, KVPlan
 
@@ -68,7 +68,7 @@ from .coordinator import (
 )
 from .inbox import Inbox, unavailable
 from .memory import KVMemory, Need
-from .metrics import BudgetFigures, EngineMetrics
+from .metrics import BlockFigures, BudgetFigures, EngineMetrics
 from .processors import Grammars, make_processors
 from .prompt_cache import PromptCache
 from .requests import (
@@ -88,7 +88,7 @@ from .requests import (
     TokenEvent,
     Usage,
 )
-from .runner import BatchRunner, RunnerOptions
+from .runner import BatchRunner, RunnerOptions, choose_layout
 from .sampling import Guarded, SamplerPool, top_logprobs
 from .scheduler import Limits, RequestStatus, Scheduler, Sequence, StepPlan
 from .segments import split_prompt
@@ -127,6 +127,7 @@ class EngineOptions:
     prompt_cache_bytes: int | None = None
     max_context: int | None = None
     kv_cache_memory: int | None = None  # KV memory budget in bytes (None: admit by count only)
+    block_size: int | None = None  # tokens per block of the paged layout (None: padded rows)
     max_queued_requests: int | None = None  # waiting requests before a 429 (None: no limit)
     warmup_gate: str | None = None  # warm-up waits until this file exists (tests)
 
@@ -197,6 +198,8 @@ class Engine:
         self.draft = draft
         self._untrimmable = any(p.window is not None or p.kind == "state" for p in plan.layers)
         self.inbox = Inbox()
+        self.layout = choose_layout(plan, self.options.block_size)
+        log.info("KV layout of the batch: %s", self.layout.description)
         ledger: Ledger | None = None
         self.capacity: Capacity | None = None
         if self.options.kv_cache_memory is not None:
@@ -204,6 +207,7 @@ class Engine:
                 plan, self.options.kv_cache_memory,
                 prefill_step=self.options.prefill_step_size,
                 prompt_rows=self.options.prompt_concurrency,
+                paged=self.layout.paged, block_size=self.layout.block_size or 0,
             )  # fmt: skip
             ledger = Ledger([share])
             self.capacity = ledger.capacity(capacity_tokens(self.max_context), self.max_context)
@@ -215,6 +219,13 @@ class Engine:
                 draft.plan, prefill_step=self.options.prefill_step_size, prompt_rows=1
             )
         )
+        # the speculative lane runs the model's own caches, not the block pools
+        lane_cost = (
+            None
+            if draft_cost is None or self.layout.block_size is None
+            else CostModel.from_plan(plan, prefill_step=self.options.prefill_step_size,
+                                     prompt_rows=1)
+        )  # fmt: skip
         # mlx_lm.server's XTC special tokens: the newline's tokens and EOS
         self._samplers = SamplerPool(
             xtc_special=(*tokenizer.encode("\n"), *tokenizer.eos_token_ids)
@@ -227,12 +238,19 @@ class Engine:
         self._eos_ids = frozenset(tokenizer.eos_token_ids)
         o = self.options
         self.runner = BatchRunner(
-            model, RunnerOptions(o.decode_concurrency, o.prompt_concurrency, o.prefill_step_size),
+            model,
+            RunnerOptions(
+                o.decode_concurrency, o.prompt_concurrency, o.prefill_step_size,
+                self.layout.block_size,
+            ),  # fmt: skip
             self._eos, draft,
         )  # fmt: skip
         self.memory = KVMemory(
             ledger, self.prompt_cache, prompt_cache_bytes=o.prompt_cache_bytes,
             draft_cost=draft_cost, live_bytes=self.runner.live_bytes,
+            cached_bytes=self._cached_bytes if self.runner.pages is not None else None,
+            lane_cost=lane_cost, between_steps=self.runner.compact,
+            shared_prefix=self._shared_prefix if self._all_paged() else None,
         )  # fmt: skip
         self.scheduler = Scheduler(
             Limits(o.decode_concurrency, o.prompt_concurrency), self.memory, lane=draft is not None
@@ -577,6 +595,7 @@ class Engine:
         cache, cached = self.prompt_cache.fetch(tokens)
         if cache is None:
             cache, cached = self.plan.make_cache(), 0
+        self.memory.mapped(seq.id, cached)
         if seq.preemptions == 0:
             seq.cached = cached
             self.metrics.record_cached_tokens(cached)
@@ -588,7 +607,15 @@ class Engine:
         checkpoints = () if resumed else self._checkpoints(seq.request)
         pieces, cuts = split_prompt(tokens, cached, checkpoints)
         seq.cuts = deque(cuts)
-        self.runner.insert(seq, pieces, cache, tokens[:cached], seq.max_tokens - len(seq.generated))
+        reused = self.runner.insert(
+            seq, pieces, cache, tokens[:cached], seq.max_tokens - len(seq.generated)
+        )
+        if reused:
+            self.metrics.count_prefix_blocks(reused)
+            log.info(
+                "request %d maps %d prefix blocks by reference (%d cached tokens)",
+                seq.id, reused, cached,
+            )  # fmt: skip
         if resumed:
             self.metrics.count_resumption()
             log.info(
@@ -653,7 +680,7 @@ class Engine:
         self.runner.lane.start(
             seq,
             prompt,
-            cache,
+            self.runner.for_lane(cache),
             cached,
             max_tokens=seq.max_tokens,
             num_draft_tokens=seq.request.draft_tokens,
@@ -857,6 +884,31 @@ class Engine:
         )  # fmt: skip
 
     # ------------------------------------------------------- memory and metrics
+    def _all_paged(self) -> bool:
+        """Every KV layer is in block pools (a prefix mapped by reference then holds
+        nothing twice)."""
+        kv = {(p.slot, p.member) for p in self.plan.kv_layers}
+        return bool(kv) and kv <= self.layout.paged
+
+    def _shared_prefix(self, request_id: int) -> tuple[tuple[int, ...], int] | None:
+        """The prompt-cache entry a waiting request will map by reference, and the
+        whole blocks of tokens it shares with it (None if none)."""
+        seq = next((s for s in self.scheduler.waiting if s.id == request_id), None)
+        if seq is None:
+            return None
+        found = self.prompt_cache.peek(seq.tokens)
+        if found is None or mapped_blocks(found[2]) == 0:
+            return None
+        key, n, _ = found
+        n -= n % self.layout.block_size
+        return (key[:n], n) if n else None
+
+    def _cached_bytes(self) -> int:
+        """What the prompt cache holds beyond the live sequences, paged layout:
+        its entries' own caches, the pool blocks no live sequence refers to and
+        the pools' free blocks."""
+        return self.prompt_cache.storage_nbytes() + self.runner.pool_rest_bytes()
+
     def _agree_budget(self) -> None:
         """Every rank's share of the budget (this process's alone, unless in a
         group), and the capacity line."""
@@ -882,6 +934,14 @@ class Engine:
             self._kv_fraction = (quantized, kv)
         if self.budget is not None:
             self.metrics.set_budget(BudgetFigures(**self.memory.figures()))
+        pages = self.runner.pages_stats()
+        if pages is not None:
+            self.metrics.set_blocks(
+                BlockFigures(
+                    self.runner.pages.block_size, pages.pools, pages.capacity, pages.used,
+                    pages.shared, pages.nbytes, pages.used_bytes,
+                )
+            )  # fmt: skip
         waiting = self.scheduler.waiting
         self.metrics.set_state(
             queue_depth=max(self.inbox.waiting, len(waiting)),

@@ -73,6 +73,10 @@ class KVMemory:
         prompt_cache_bytes: int | None = None,
         draft_cost: CostModel | None = None,
         live_bytes: Callable[[], int] = lambda: 0,
+        cached_bytes: Callable[[], int] | None = None,
+        lane_cost: CostModel | None = None,
+        between_steps: Callable[[], None] = lambda: None,
+        shared_prefix: Callable[[int], tuple[tuple[int, ...], int] | None] | None = None,
         reserve: int = DECODE_RESERVE,
     ):
         self.ledger = ledger
@@ -80,17 +84,36 @@ class KVMemory:
         self.prompt_cache_bytes = prompt_cache_bytes
         self.draft_cost = draft_cost
         self.live_bytes = live_bytes
+        self.lane_cost = lane_cost  # the model's caches on the lane, when priced apart
+        # before measuring: give back storage nothing holds (the paged layout's pools)
+        self.between_steps = between_steps
+        # The paged layout: the prompt-cache prefix (key, whole blocks of tokens) a
+        # waiting request will map by reference. Its blocks are priced once, however
+        # many sequences map them, and each sequence for its own tokens only.
+        self.shared_prefix = shared_prefix
+        self._credit: dict[int, tuple[tuple[int, ...], int]] = {}
+        self._pins: dict[tuple[int, ...], int] = {}
+        # what the prompt cache holds beyond the live sequences (the paged
+        # layout: its own caches, and pool blocks no live sequence refers to)
+        self.cached_bytes = cached_bytes or (lambda: prompt_cache.nbytes)
         self.reserve = max(1, reserve)
         self.serving = False  # live sequences exist to cap the prompt cache by (mlx-lm's rule)
 
     # ------------------------------------------------------------ sequences
     def _shape(self, need: Need, total: int) -> tuple[Shape, int | None]:
-        """The ledger's shape for `need` reaching `total` tokens, and the bytes its
-        draft model's caches hold on the lane (None in the batch)."""
-        shape = Shape(need.prompt + need.keep, total + need.keep)
+        """The ledger's shape for `need` reaching `total` tokens (less a prefix it
+        maps by reference), and the bytes its draft model's caches hold on the
+        lane (None in the batch)."""
+        shared = self._credit.get(need.request_id, ((), 0))[1]
+        shape = Shape(need.prompt + need.keep, total + need.keep, shared)
         if not need.keep or self.draft_cost is None:
             return shape, None
-        return shape, self.draft_cost.bound([shape])
+        extra = self.draft_cost.bound([shape])
+        if self.lane_cost is not None:
+            # the lane runs the model's caches in their own layout, not in blocks
+            batch = self.ledger.share.cost.bound([shape])
+            extra += max(0, self.lane_cost.bound([shape]) - batch)
+        return shape, extra
 
     def first_shape(self, need: Need) -> Shape:
         """What a sequence is admitted with: its prompt and the decode reserve."""
@@ -99,13 +122,32 @@ class KVMemory:
     def _first_total(self, need: Need) -> int:
         return max(need.prompt + need.step, min(need.limit, need.prompt + self.reserve))
 
+    @staticmethod
+    def _pin_id(key: tuple[int, ...]) -> int:
+        """The ledger's extras entry of a pinned prefix (never a request id)."""
+        return -1 - (hash(key) & 0x7FFFFFFFFFFF)
+
     def admit(self, need: Need) -> bool:
         if self.ledger is None:
             return True
+        prefix = None
+        if not need.keep and self.shared_prefix is not None and not self.group:
+            prefix = self.shared_prefix(need.request_id)
+        pin = 0
+        if prefix is not None:
+            key, tokens = prefix
+            self._credit[need.request_id] = prefix
+            if key not in self._pins:
+                pin = self.ledger.share.cost.bound([Shape(tokens, tokens)], [])
         shape, extra = self._shape(need, self._first_total(need))
-        if not self.ledger.fits(shape, extra or 0):
+        if not self.ledger.fits(shape, (extra or 0) + pin):
+            self._credit.pop(need.request_id, None)
             return False
         self.ledger.reserve(need.request_id, shape, extra or 0)
+        if prefix is not None:
+            self._pins[prefix[0]] = self._pins.get(prefix[0], 0) + 1
+            if pin:
+                self.ledger.extras[self._pin_id(prefix[0])] = pin
         return True
 
     def grow(self, need: Need) -> bool:
@@ -126,6 +168,17 @@ class KVMemory:
     def release(self, request_id: int, after_step: bool = False) -> None:
         if self.ledger is not None:
             self.ledger.release(request_id, after_step)
+        self.release_credit(request_id)
+
+    def release_credit(self, request_id: int) -> None:
+        """Drop a sequence's prefix credit (and the prefix's pin with its last user)."""
+        prefix = self._credit.pop(request_id, None)
+        if prefix is not None:
+            self._pins[prefix[0]] -= 1
+            if not self._pins[prefix[0]]:
+                del self._pins[prefix[0]]
+                if self.ledger is not None:
+                    self.ledger.extras.pop(self._pin_id(prefix[0]), None)
 
     def prompt_done(self, request_id: int) -> None:
         if self.ledger is not None:
@@ -146,6 +199,8 @@ class KVMemory:
     def clear(self) -> None:
         if self.ledger is not None:
             self.ledger.clear()
+        self._credit.clear()
+        self._pins.clear()
 
     # ------------------------------------------------------------ the prompt cache
     @property
@@ -160,8 +215,22 @@ class KVMemory:
         if self.prompt_cache_bytes is not None and self.serving:
             caps.append(self.prompt_cache_bytes - self.live_bytes())
         if self.ledger is not None and not self.group:
-            caps.append(self.ledger.room())
+            # a pinned prefix is priced in the ledger and held by its entry: once
+            pinned = sum(self.ledger.extras.get(self._pin_id(k), 0) for k in self._pins)
+            caps.append(self.ledger.room() + pinned)
         return min(caps) if caps else None
+
+    def mapped(self, request_id: int, tokens: int) -> None:
+        """The tokens a sequence really mapped by reference when it was inserted:
+        if fewer than it was admitted with (its entry went in between), it is
+        priced for what it holds (measured against the budget as ever)."""
+        prefix = self._credit.get(request_id)
+        if prefix is None or tokens >= prefix[1] or self.ledger is None:
+            return
+        self.release_credit(request_id)
+        held = self.ledger.shapes.get(request_id)
+        if held is not None:
+            self.ledger.shapes[request_id] = Shape(held.prompt, held.total)
 
     def store_prompt(
         self, tokens: list[int], cache: list, segment: Segment = Segment.ANSWER
@@ -220,10 +289,11 @@ class KVMemory:
         Called wherever the bytes held can grow: after a step, after admitting
         requests (a reused prompt-cache entry is copied) and after a prompt
         cache insertion."""
+        self.between_steps()
         if self.ledger is None or not self.serving:
             return
         live = self.live_bytes()
-        held = self.prompt_cache.nbytes
+        held = self.cached_bytes()
         if not self.ledger.check(live, held):
             log.error(
                 "KV budget exceeded: live %d + prompt cache %d bytes, budget %d, "
@@ -236,7 +306,7 @@ class KVMemory:
         b = self.ledger
         return {
             "budget": b.budget, "reserved": b.reserved(), "live": b.last_live,
-            "prompt_cache": self.prompt_cache.nbytes, "peak_held": b.peak_held,
+            "prompt_cache": self.cached_bytes(), "peak_held": b.peak_held,
             "overruns": b.overruns, "bound_misses": b.bound_misses, "admitted": len(b.shapes),
         }  # fmt: skip
 

@@ -32,6 +32,24 @@ class BudgetFigures:
     admitted: int = 0  # sequences holding a share of the budget now
 
 
+@dataclass(frozen=True)
+class BlockFigures:
+    """The paged layout's block pools as of the last step (blocks of every
+    paged layer's pool together; a block is `block_size` tokens of one layer)."""
+
+    block_size: int
+    pools: int
+    capacity: int
+    used: int
+    shared: int  # used blocks that more than one sequence or prompt-cache entry refers to
+    nbytes: int  # storage of the pools
+    used_bytes: int
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+
 @dataclass
 class MetricsSnapshot:
     requests: dict[str, int]
@@ -64,6 +82,8 @@ class MetricsSnapshot:
     preemptions: int = 0  # sequences taken out of the batch for memory
     resumptions: int = 0  # preempted sequences admitted again
     preempted: int = 0  # preempted sequences waiting to resume now
+    blocks: BlockFigures | None = None  # the paged layout (None: padded rows)
+    prefix_blocks_reused: int = 0  # pool blocks new sequences mapped by reference
 
     @property
     def kv_quantized_fraction(self) -> float:
@@ -98,6 +118,8 @@ class EngineMetrics:
     preemptions: int = 0
     resumptions: int = 0
     preempted: int = 0
+    blocks: BlockFigures | None = None
+    prefix_blocks_reused: int = 0
     # (time, prompt tokens, prompt seconds, generated tokens, decode seconds)
     _recent: deque = field(default_factory=deque)
 
@@ -120,6 +142,15 @@ class EngineMetrics:
     def set_budget(self, figures: BudgetFigures | None) -> None:
         with self._lock:
             self.budget = figures
+
+    def set_blocks(self, figures: BlockFigures | None) -> None:
+        with self._lock:
+            self.blocks = figures
+
+    def count_prefix_blocks(self, n: int) -> None:
+        """Blocks a new sequence mapped by reference from the prompt cache."""
+        with self._lock:
+            self.prefix_blocks_reused += n
 
     def record_step(
         self, prompt_tokens: int, prompt_time: float, gen_tokens: int, decode_time: float
@@ -227,6 +258,8 @@ class EngineMetrics:
                 draft_requests_moved=self.draft_requests_moved,
                 draft_tokens_proposed=self.draft_tokens_proposed,
                 draft_tokens_accepted=self.draft_tokens_accepted,
+                blocks=self.blocks,
+                prefix_blocks_reused=self.prefix_blocks_reused,
                 preemptions=self.preemptions,
                 resumptions=self.resumptions,
                 preempted=self.preempted,

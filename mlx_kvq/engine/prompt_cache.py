@@ -36,6 +36,18 @@ def cache_nbytes(cache: list[Any]) -> int:
     return sum(int(c.nbytes) for c in cache)
 
 
+def storage_nbytes(cache: list[Any]) -> int:
+    """Bytes of the caches that hold their own storage (leaves of a block pool,
+    `shares_storage`, are counted with their pool)."""
+    total = 0
+    for c in cache:
+        if getattr(c, "shares_storage", False):
+            continue
+        members = getattr(c, "caches", None)
+        total += storage_nbytes(members) if isinstance(members, (list, tuple)) else int(c.nbytes)
+    return total
+
+
 def own_copy(cache: list[Any]) -> None:
     """Give each cache compact arrays of its own, in place.
 
@@ -44,6 +56,8 @@ def own_copy(cache: list[Any]) -> None:
     cache's `state` makes `nbytes` the memory really held.
     """
     for c in cache:
+        if getattr(c, "shares_storage", False):  # blocks of a pool: nothing to compact
+            continue
         try:
             c.state = tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, c.state)
         except AttributeError:  # a cache without a state setter keeps its arrays
@@ -150,6 +164,13 @@ class PromptCache:
             if key is not None:
                 self._use(key)
 
+    def peek(self, tokens: list[int]) -> tuple[tuple[int, ...], int, list[Any]] | None:
+        """The entry `fetch(tokens)` would use: its key, the tokens it covers for
+        `tokens`, and its caches (not copied; None when none matches)."""
+        with self._lock:
+            key, n, _ = self._best(tokens)
+            return None if key is None else (key, n, self._entries[key].cache)
+
     def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         """A private copy of the best cache for `tokens` and how many tokens it covers.
 
@@ -214,6 +235,11 @@ class PromptCache:
             self._nbytes += nbytes
             self._evict(cap)
         return True
+
+    def storage_nbytes(self) -> int:
+        """Bytes the entries hold outside block pools (see `storage_nbytes`)."""
+        with self._lock:
+            return sum(storage_nbytes(e.cache) for e in self._entries.values())
 
     def token_counts(self) -> list[int]:
         """How many tokens each entry covers."""

@@ -25,7 +25,16 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import greedy_sampler
 
-from mlx_kvq.caches import KVQWindowCache, cache_report
+from mlx_kvq.caches import (
+    KVQWindowCache,
+    Pages,
+    PagesStats,
+    cache_report,
+    mapped_blocks,
+    page_caches,
+    paging_refusal,
+    unpage_caches,
+)
 from mlx_kvq.mlx_lm_internals import batch_caches, pending_token
 
 from .scheduler import Sequence
@@ -53,6 +62,37 @@ class BatchStep:
     prompt_time: float
     generation_tokens: int
     decode_time: float
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the batch lays out K/V: block pools for the layers in `paged`
+    ((slot, member) keys), mlx-lm's left-padded rows for the others."""
+
+    block_size: int | None  # None: padded rows for every layer
+    paged: frozenset
+    description: str
+
+
+def choose_layout(plan: Any, block_size: int | None) -> Layout:
+    """The paged layout for every layer of `plan` whose kind pages (declared in
+    the registry), unless `block_size` is None or the model is declared unpaged."""
+    if block_size is None:
+        return Layout(None, frozenset(), "padded rows (paging turned off)")
+    refusal = paging_refusal(plan.model_type)
+    if refusal:
+        return Layout(None, frozenset(), f"padded rows: {plan.model_type} {refusal}")
+    probe = Pages(block_size)
+    page_caches(plan.make_cache(), probe)
+    kv = len(plan.kv_layers)
+    if not probe.pools:
+        return Layout(None, frozenset(), "padded rows: none of its KV layers pages")
+    return Layout(
+        block_size,
+        frozenset(probe.pools),
+        f"paged: {len(probe.pools)} of {kv} KV layers in blocks of {block_size} tokens"
+        + ("" if len(probe.pools) == kv else "; the others keep padded rows"),
+    )
 
 
 @dataclass(frozen=True)
@@ -85,6 +125,7 @@ class RunnerOptions:
     decode_rows: int = 32
     prompt_rows: int = 8
     prefill_step: int = 2048
+    block_size: int | None = 32  # tokens per block of the paged layout (None: padded rows)
 
 
 class BatchRunner:
@@ -97,6 +138,9 @@ class BatchRunner:
         self.options = options
         self.eos = eos
         self.rows: dict[int, Sequence] = {}  # by batch uid
+        # The paged layout: block pools of the layers that page (None: mlx-lm's
+        # left-padded rows for every layer).
+        self.pages = None if options.block_size is None else Pages(options.block_size)
         self.lane = None if draft is None else SpeculativeLane(model, draft, options.prefill_step)
         self._bg: BatchGenerator | None = None
 
@@ -120,6 +164,30 @@ class BatchRunner:
     def generator(self) -> BatchGenerator | None:
         return self._bg
 
+    def for_batch(self, cache: list) -> list:
+        """`cache` in the batch's layout: pageable slots in the block pools (a
+        paged cache from the prompt cache already maps its blocks there)."""
+        return cache if self.pages is None else page_caches(cache, self.pages)
+
+    def for_lane(self, cache: list) -> list:
+        """`cache` in the layout the speculative lane runs (its own caches)."""
+        return cache if self.pages is None else unpage_caches(cache)
+
+    def pages_stats(self) -> PagesStats | None:
+        return None if self.pages is None else self.pages.stats()
+
+    def compact(self) -> None:
+        """Between steps: the block pools give back what they hold free."""
+        if self.pages is not None:
+            self.pages.compact()
+
+    def pool_rest_bytes(self) -> int:
+        """Pool bytes no live sequence refers to: blocks only prompt-cache entries
+        refer to, and free blocks (0 without the paged layout)."""
+        if self.pages is None:
+            return 0
+        return self.pages.nbytes - self.pages.held_bytes(self.caches())
+
     def insert(
         self,
         seq: Sequence,
@@ -128,9 +196,12 @@ class BatchRunner:
         held: list[int],
         max_tokens: int,
         stop: StopSequences | None = None,
-    ) -> None:
+    ) -> int:
         """Add `seq` to the batch: `cache` holds `held`, `pieces` are the tokens
-        still to process (the last one starts decoding)."""
+        still to process (the last one starts decoding). Returns the pool
+        blocks it maps by reference (a paged prompt-cache copy's)."""
+        reused = mapped_blocks(cache)
+        cache = self.for_batch(cache)
         (uid,) = self._bg.insert_segments(
             [pieces],
             max_tokens=[max_tokens],
@@ -142,6 +213,7 @@ class BatchRunner:
         )
         seq.uid = uid
         self.rows[uid] = seq
+        return reused
 
     def remove(self, seqs: list[Sequence], keep_caches: bool = False) -> dict[int, tuple]:
         """Take `seqs` out of the batch; their (cache, tokens) by request id
@@ -192,9 +264,16 @@ class BatchRunner:
         return batch + (self.lane.caches() if self.lane_busy else [])
 
     def live_bytes(self) -> int:
-        """KV bytes live sequences hold (batch, lane, draft model), measured."""
+        """KV bytes live sequences hold (batch, lane, draft model), measured;
+        with the paged layout, the pool blocks their tables refer to (each
+        block once) and the other layers' caches."""
+        lane = self.lane.nbytes if self.lane_busy else 0
+        if self.pages is not None:
+            batch = [] if self._bg is None else batch_caches(self._bg)
+            own = sum(c.nbytes for c in batch if not getattr(c, "shares_storage", False))
+            return self.pages.held_bytes(batch) + own + lane
         batch = 0 if self._bg is None else self._bg.prompt_cache_nbytes
-        return batch + (self.lane.nbytes if self.lane_busy else 0)
+        return batch + lane
 
     # ------------------------------------------------------------ the lane
     def lane_step(self) -> LaneWork:
@@ -209,7 +288,7 @@ class BatchRunner:
         uids = self._bg.insert(
             prompts,
             max_tokens=[max_tokens] * len(prompts),
-            caches=[make_cache() for _ in prompts],
+            caches=[self.for_batch(make_cache()) for _ in prompts],
             samplers=[greedy_sampler] * len(prompts),
             stop_sequences=[StopSequences()] * len(prompts),
         )

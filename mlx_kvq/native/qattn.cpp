@@ -18,6 +18,8 @@
 #include <nanobind/nanobind.h>
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -360,6 +362,283 @@ mx::array packed_weighted(const mx::array& p, const mx::array& w, const mx::arra
                    {mx::astype(p, mx::float32, s), w, scales, biases});
 }
 
+
+// ---- paged attention: rows read through block tables ------------------------
+//
+// Keys and values live in pools of blocks, (blocks, block, heads, packed dim);
+// row b holds positions [bases[b], ends[b]), slot j in block tables[b][j / block].
+// Its M query rows (n_rep heads x L positions, row r at position
+// ends[b] - L + r % L) see the keys at or before their position, within
+// `window` positions when window > 0. Each (row, head, token range) task
+// computes its scores, a running max and sum, and the weighted values; the
+// ranges are combined as in flash attention. Rows read only their own blocks.
+
+struct Pool {
+  const uint8_t* w;
+  const void* s;
+  const void* b;
+  int64_t w_row;  // bytes per (token, head) row
+  int64_t s_row;  // scale entries per (token, head) row
+  int heads, block;
+};
+
+Pool pool_of(const mx::array& w, const mx::array& s, const mx::array& b) {
+  for (auto* a : {&w, &s, &b}) {
+    if (a->ndim() != 4 || !a->flags().row_contiguous) {
+      throw std::invalid_argument("kvq native: block pools must be contiguous 4-D arrays");
+    }
+  }
+  return {reinterpret_cast<const uint8_t*>(w.data<uint32_t>()), s.data<void>(), b.data<void>(),
+          int64_t(w.shape(3)) * 4, int64_t(s.shape(3)), int(w.shape(2)), int(w.shape(1))};
+}
+
+template <int bits, typename S>
+KVQ_CLONES void paged_scores(const float* q, int M, int D, const Pool& k, int h, const int32_t* table,
+                             int base, int p0, int p1, int gs, float* out) {
+  alignas(32) float row[512];
+  const S* sc = static_cast<const S*>(k.s);
+  const S* bi = static_cast<const S*>(k.b);
+  for (int p = p0; p < p1; ++p) {
+    int rel = p - base;
+    int64_t r = (int64_t(table[rel / k.block]) * k.block + rel % k.block) * k.heads + h;
+    dequantize_row<bits, S>(k.w + r * k.w_row, sc + r * k.s_row, bi + r * k.s_row, D, gs, row);
+    for (int m = 0; m < M; ++m) {
+      const float* qm = q + size_t(m) * D;
+      f8 a0 = {}, a1 = {};
+      for (int i = 0; i < D; i += 16) {
+        a0 += load8(qm + i) * load8(row + i);
+        a1 += load8(qm + i + 8) * load8(row + i + 8);
+      }
+      out[size_t(m) * (p1 - p0) + (p - p0)] = hsum(a0 + a1);
+    }
+  }
+}
+
+template <int bits, typename S>
+KVQ_CLONES void paged_weighted(const float* pr, int M, int D, const Pool& v, int h,
+                               const int32_t* table, int base, int p0, int p1, int gs, float* acc) {
+  alignas(32) float row[512];
+  const S* sc = static_cast<const S*>(v.s);
+  const S* bi = static_cast<const S*>(v.b);
+  int n = p1 - p0;
+  for (int p = p0; p < p1; ++p) {
+    int rel = p - base;
+    int64_t r = (int64_t(table[rel / v.block]) * v.block + rel % v.block) * v.heads + h;
+    dequantize_row<bits, S>(v.w + r * v.w_row, sc + r * v.s_row, bi + r * v.s_row, D, gs, row);
+    for (int m = 0; m < M; ++m) {
+      float pm0 = pr[size_t(m) * n + (p - p0)];
+      if (pm0 == 0.0f) continue;
+      f8 pm = (f8){} + pm0;
+      float* o = acc + size_t(m) * D;
+      for (int i = 0; i < D; i += 8) {
+        store8(o + i, load8(o + i) + pm * load8(row + i));
+      }
+    }
+  }
+}
+
+template <typename S>
+void paged_scores_bits(int bits, const float* q, int M, int D, const Pool& k, int h,
+                       const int32_t* t, int base, int p0, int p1, int gs, float* out) {
+  switch (bits) {
+    case 2: return paged_scores<2, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
+    case 3: return paged_scores<3, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
+    case 4: return paged_scores<4, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
+    case 5: return paged_scores<5, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
+    case 6: return paged_scores<6, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
+    case 8: return paged_scores<8, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
+    default: throw std::invalid_argument("kvq native: unsupported bits");
+  }
+}
+
+template <typename S>
+void paged_weighted_bits(int bits, const float* p, int M, int D, const Pool& v, int h,
+                         const int32_t* t, int base, int p0, int p1, int gs, float* acc) {
+  switch (bits) {
+    case 2: return paged_weighted<2, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
+    case 3: return paged_weighted<3, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
+    case 4: return paged_weighted<4, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
+    case 5: return paged_weighted<5, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
+    case 6: return paged_weighted<6, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
+    case 8: return paged_weighted<8, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
+    default: throw std::invalid_argument("kvq native: unsupported bits");
+  }
+}
+
+struct PagedParams {
+  int L, window, kbits, kgs, vbits, vgs;
+  bool sinks;
+};
+
+template <typename S>
+void run_paged(const PagedParams& pp, const std::vector<mx::array>& in, mx::array& out) {
+  const mx::array& q = in[0];  // (B, H, M, Dk) float32, contiguous
+  Pool kp = pool_of(in[1], in[2], in[3]);
+  Pool vp = pool_of(in[4], in[5], in[6]);
+  const mx::array& tables = in[7];  // (B, T) int32
+  const int32_t* bases = in[8].data<int32_t>();
+  const int32_t* ends = in[9].data<int32_t>();
+  const float* sinks = in[10].data<float>();  // (H * M / L) per query head
+  int B = q.shape(0), H = q.shape(1), M = q.shape(2), Dk = q.shape(3);
+  int Dv = out.shape(3);
+  int T = tables.shape(1);
+  const int32_t* tb = tables.data<int32_t>();
+  const float* qb = q.data<float>();
+  float* ob = out.data<float>();
+  int L = pp.L;
+
+  // The key range each row's queries can see, and the chunks it is split in.
+  std::vector<int> lo(B), hi(B);
+  int longest = 0;
+  for (int b = 0; b < B; ++b) {
+    hi[b] = ends[b];
+    lo[b] = bases[b];
+    if (pp.window > 0) lo[b] = std::max(lo[b], ends[b] - L - pp.window + 1);
+    longest = std::max(longest, hi[b] - lo[b]);
+  }
+  int chunks = std::max(1, std::min(max_threads(), longest / 512));
+  int tasks = B * H * chunks;
+  std::vector<float> pmax(size_t(tasks) * M), psum(size_t(tasks) * M);
+  std::vector<float> pacc(size_t(tasks) * M * Dv);
+  int64_t work = 0;
+  for (int b = 0; b < B; ++b) work += int64_t(hi[b] - lo[b]) * H * M * (Dk + Dv);
+  parallel_for(tasks, work, [&](int t) {
+    int c = t % chunks, bh = t / chunks, h = bh % H, b = bh / H;
+    int n_all = hi[b] - lo[b];
+    int p0 = lo[b] + int(int64_t(n_all) * c / chunks);
+    int p1 = lo[b] + int(int64_t(n_all) * (c + 1) / chunks);
+    float* mx_ = pmax.data() + size_t(t) * M;
+    float* sm = psum.data() + size_t(t) * M;
+    float* acc = pacc.data() + size_t(t) * M * Dv;
+    std::fill(acc, acc + size_t(M) * Dv, 0.0f);
+    int n = p1 - p0;
+    if (n <= 0) {
+      std::fill(mx_, mx_ + M, -INFINITY);
+      std::fill(sm, sm + M, 0.0f);
+      return;
+    }
+    const float* qr = qb + (size_t(b) * H + h) * M * Dk;
+    const int32_t* table = tb + size_t(b) * T;
+    std::vector<float> s(size_t(M) * n);
+    paged_scores_bits<S>(pp.kbits, qr, M, Dk, kp, h, table, bases[b], p0, p1, pp.kgs, s.data());
+    for (int m = 0; m < M; ++m) {
+      int qpos = ends[b] - L + m % L;
+      int first = pp.window > 0 ? qpos - pp.window + 1 : INT32_MIN;
+      float* sr = s.data() + size_t(m) * n;
+      float best = -INFINITY;
+      for (int i = 0; i < n; ++i) {
+        int p = p0 + i;
+        if (p > qpos || p < first) {
+          sr[i] = -INFINITY;
+        } else {
+          best = std::max(best, sr[i]);
+        }
+      }
+      float total = 0.0f;
+      for (int i = 0; i < n; ++i) {
+        float e = best == -INFINITY ? 0.0f : std::exp(sr[i] - best);
+        sr[i] = e;
+        total += e;
+      }
+      mx_[m] = best;
+      sm[m] = total;
+    }
+    paged_weighted_bits<S>(pp.vbits, s.data(), M, Dv, vp, h, table, bases[b], p0, p1, pp.vgs, acc);
+  });
+  for (int bh = 0; bh < B * H; ++bh) {
+    int h = bh % H;
+    for (int m = 0; m < M; ++m) {
+      float best = -INFINITY;
+      for (int c = 0; c < chunks; ++c) best = std::max(best, pmax[(size_t(bh) * chunks + c) * M + m]);
+      float sink = pp.sinks ? sinks[h * (M / L) + m / L] : -INFINITY;
+      float top = std::max(best, sink);
+      float total = pp.sinks ? std::exp(sink - top) : 0.0f;
+      float* o = ob + (size_t(bh) * M + m) * Dv;
+      std::fill(o, o + Dv, 0.0f);
+      for (int c = 0; c < chunks; ++c) {
+        size_t t = size_t(bh) * chunks + c;
+        float mc = pmax[t * M + m];
+        if (mc == -INFINITY) continue;
+        float w = std::exp(mc - top);
+        total += w * psum[t * M + m];
+        const float* a = pacc.data() + (t * M + m) * Dv;
+        for (int d = 0; d < Dv; ++d) o[d] += w * a[d];
+      }
+      float inv = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int d = 0; d < Dv; ++d) o[d] *= inv;
+    }
+  }
+}
+
+class PagedAttention : public mx::Primitive {
+ public:
+  PagedAttention(mx::Stream s, PagedParams p) : mx::Primitive(s), p_(p) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([inputs, out, p = p_]() mutable {
+      auto dt = inputs[2].dtype();
+      if (dt == mx::float16) {
+        run_paged<mx::float16_t>(p, inputs, out);
+      } else if (dt == mx::bfloat16) {
+        run_paged<mx::bfloat16_t>(p, inputs, out);
+      } else {
+        run_paged<float>(p, inputs, out);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("kvq native: CPU only");
+  }
+
+  const char* name() const override { return "KvqPagedAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const PagedAttention*>(&other);
+    return o && std::memcmp(&o->p_, &p_, sizeof(p_)) == 0;
+  }
+
+ private:
+  PagedParams p_;
+};
+
+mx::array paged_attention(const mx::array& q, const mx::array& kw, const mx::array& ks,
+                          const mx::array& kb, const mx::array& vw, const mx::array& vs,
+                          const mx::array& vb, const mx::array& tables, const mx::array& bases,
+                          const mx::array& ends, const mx::array& sinks, int L, int window,
+                          int kbits, int kgs, int vbits, int vgs, bool has_sinks) {
+  auto s = mx::default_stream(mx::Device::cpu);
+  if (q.ndim() != 4 || tables.ndim() != 2 || tables.dtype() != mx::int32 ||
+      bases.dtype() != mx::int32 || ends.dtype() != mx::int32) {
+    throw std::invalid_argument("kvq native: q (B,H,M,D), int32 tables (B,T), bases and ends (B)");
+  }
+  if (ks.dtype() != vs.dtype() || kb.dtype() != ks.dtype() || vb.dtype() != vs.dtype()) {
+    throw std::invalid_argument("kvq native: key and value scales must share a dtype");
+  }
+  for (int bits : {kbits, vbits}) {
+    if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+      throw std::invalid_argument("kvq native: bits must be 2, 3, 4, 5, 6 or 8");
+    }
+  }
+  int Dk = ks.shape(3) * kgs, Dv = vs.shape(3) * vgs;
+  if (q.shape(3) != Dk || Dk > 512 || Dv > 512 || kgs % 16 || vgs % 16 ||
+      int64_t(kw.shape(3)) * 32 != int64_t(Dk) * kbits ||
+      int64_t(vw.shape(3)) * 32 != int64_t(Dv) * vbits || q.shape(2) % L) {
+    throw std::invalid_argument("kvq native: paged shapes do not match bits and group sizes");
+  }
+  mx::Shape shape = {q.shape(0), q.shape(1), q.shape(2), Dv};
+  PagedParams p{L, window, kbits, kgs, vbits, vgs, has_sinks};
+  auto c = [&](const mx::array& a) { return mx::contiguous(a, false, s); };
+  return mx::array(shape, mx::float32, std::make_shared<PagedAttention>(s, p),
+                   {c(mx::astype(q, mx::float32, s)), c(kw), c(ks), c(kb), c(vw), c(vs), c(vb),
+                    c(tables), c(bases), c(ends), c(mx::astype(sinks, mx::float32, s))});
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -375,4 +654,8 @@ NB_MODULE(_native, m) {
   m.def("packed_weighted", &packed_weighted, "p"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "float32 p @ V with V packed (B, H, N, D*bits/32); (B, H, M, D)");
+  m.def("paged_attention", &paged_attention, "q"_a, "kw"_a, "ks"_a, "kb"_a, "vw"_a, "vs"_a,
+        "vb"_a, "tables"_a, "bases"_a, "ends"_a, "sinks"_a, "L"_a, "window"_a, "kbits"_a,
+        "kgs"_a, "vbits"_a, "vgs"_a, "has_sinks"_a,
+        "float32 attention of q (B, H, M, Dk) over block pools read through block tables");
 }

@@ -101,6 +101,7 @@ class EngineCollector(Collector):
             rejected.add_metric([reason], float(s.rejections.get(reason, 0)))
         yield rejected
         yield from _budget_families(s.budget)
+        yield from _block_families(s)
         yield _counter(
             "preemptions", "Sequences taken out of the batch because KV memory ran out",
             s.preemptions,
@@ -129,6 +130,24 @@ class EngineCollector(Collector):
         yield from _rank_families(self.engine.coordinator.ranks())
         if self.engine.draft is not None:
             yield from _draft_families(s)
+
+
+def _block_families(s):
+    """The paged layout's block pools (none with padded rows)."""
+    b = s.blocks
+    if b is None:
+        return
+    yield _gauge("kv_blocks", "KV blocks allocated in the paged layers' pools", b.capacity)
+    yield _gauge("kv_blocks_used", "KV blocks some sequence or prompt-cache entry refers to",
+                 b.used)  # fmt: skip
+    yield _gauge("kv_blocks_free", "KV blocks allocated and free", b.free)
+    yield _gauge("kv_blocks_shared", "KV blocks more than one holder refers to", b.shared)
+    yield _gauge("kv_block_tokens", "Tokens per KV block", b.block_size)
+    yield _counter(
+        "kv_prefix_blocks_reused",
+        "KV blocks new sequences mapped by reference from the prompt cache",
+        s.prefix_blocks_reused,
+    )
 
 
 def _budget_families(b):

@@ -164,6 +164,20 @@ def prompt_cache_status(s: MetricsSnapshot) -> dict[str, Any]:
     }
 
 
+def blocks_status(s: Any) -> dict[str, Any] | None:
+    """The paged layout's block pools (None with padded rows): blocks of all
+    paged layers together, and the prefix blocks new sequences mapped by
+    reference so far."""
+    b = s.blocks
+    if b is None:
+        return None
+    return {
+        "block_size": b.block_size, "pools": b.pools, "capacity": b.capacity,
+        "used": b.used, "free": b.free, "shared": b.shared, "bytes": b.nbytes,
+        "used_bytes": b.used_bytes, "prefix_blocks_reused": s.prefix_blocks_reused,
+    }  # fmt: skip
+
+
 def status_body(
     engine: Engine,
     settings: Any,
@@ -184,6 +198,7 @@ def status_body(
         "plan": plan_status(plan),
         "kv": kv_status(s, plan),
         "budget": budget() if budget is not None else None,
+        "blocks": blocks_status(s),
         "prompt_cache": prompt_cache_status(s),
         "queue_depth": s.queue_depth,
         "batch_size": s.batch_size,

@@ -145,6 +145,13 @@ function renderBudget(budget) {
   $("budget-capacity").textContent = budget.capacity || "";
 }
 
+function renderBlocks(blocks) {
+  $("budget-blocks").textContent = blocks
+    ? `${blocks.used} used, ${blocks.free} free, ${blocks.shared} shared ` +
+      `(${blocks.block_size}-token blocks); ${blocks.prefix_blocks_reused} prefix blocks reused`
+    : "padded rows (not paged)";
+}
+
 function renderEngine(s) {
   const tps = s.tokens_per_second || {};
   $("stat-generation-tps").textContent = `${(tps.generation || 0).toFixed(1)} tok/s`;
@@ -205,6 +212,7 @@ export function startPanel(listener) {
       }
       renderKinds(status.kv, status.prompt_cache || {});
       renderBudget(status.budget);
+      renderBlocks(status.blocks);
       renderEngine(status);
     } else {
       renderState("unreachable", "GET /status failed; retrying");
