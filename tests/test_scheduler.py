@@ -173,14 +173,14 @@ def test_a_budget_too_small_preempts_and_every_text_is_unchanged(
 
 
 class TwoRanks(LocalCoordinator):
-    """A group of two in one process: the other rank holds half of this one's budget."""
+    """A group of two in one process: the other rank holds a third of this one's budget."""
 
     def agree_budget(self, mine: BudgetShare):
-        return [mine, BudgetShare(mine.budget // 2, mine.cost, mine.unquantized)], 0
+        return [mine, BudgetShare(mine.budget // 3, mine.cost, mine.unquantized)], 0
 
 
 def test_a_group_admits_and_preempts_by_its_smallest_rank(scripted):
-    """This rank's budget holds all eight whole; the other rank's half does
+    """This rank's budget holds all eight whole; the other rank's third does
     not: the group admits, grows and preempts by it, texts unchanged."""
     model, tokenizer, plan = scripted
     prompts = [chat(tokenizer, i) for i in range(N)]
