@@ -16,7 +16,7 @@ from mlx_lm.utils import load_tokenizer
 
 from mlx_kvq.engine.prompts import chat_tokens, template_variables
 from mlx_kvq.server.chat_output import OutputSplitter
-from mlx_kvq.server.openai import template_fields
+from mlx_kvq.server.openai_chat import template_fields
 from mlx_kvq.server.schemas import ChatCompletionRequest, TokenText
 from mlx_kvq.server.tools import ToolChoiceError, tool_policy, tools_refusal
 
