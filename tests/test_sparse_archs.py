@@ -24,6 +24,7 @@ top-2 log-prob margin of at least 0.025 and no such flip.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import threading
 
@@ -206,12 +207,11 @@ def test_deepseek_v41_pipeline_stages_are_refused_at_plan_time(models):
 # -- serving ---------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["deepseek_v41", "minimax_m3_vl"])
 def test_the_engine_warms_up_and_serves(name, tmp_path):
-    import types
 
     from kvq_testing.tiny import save_tiny_model
     from mlx_lm import load
 
-    from mlx_kvq.commands.serve import engine_options
+    from mlx_kvq.commands.serve import add_parser, engine_options
     from mlx_kvq.engine import (
         Engine,
         FinishEvent,
@@ -225,9 +225,11 @@ def test_the_engine_warms_up_and_serves(name, tmp_path):
     kv = KVConfig(bits=4)
     plan = plan_kv(model, kv, batch=True)
     check_batch_path(plan.make_cache, kv, max_batch=plan.max_batch)
-    flags = types.SimpleNamespace(
-        decode_concurrency=8, prompt_concurrency=4, prefill_step_size=2048,
-        prompt_cache_size=4, prompt_cache_bytes=None, max_queued_requests=16,
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    flags = sub.choices["serve"].parse_args(
+        ["--decode-concurrency", "8", "--prompt-concurrency", "4", "--prompt-cache-size", "4",
+         "--max-queued-requests", "16"]
     )  # fmt: skip
     options = engine_options(flags, plan.max_context, None, plan.max_batch)
     assert options.decode_concurrency == (1 if name == "deepseek_v41" else 8)
