@@ -20,6 +20,7 @@ import time
 
 import mlx.core as mx
 import pytest
+from kvq_testing.budget import spy_checks
 from kvq_testing.events import Collector
 from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
@@ -225,14 +226,7 @@ def _engine(model, tokenizer, kv, budget, **options) -> Engine:
 def test_engine_never_holds_more_than_the_budget_or_the_bound(loaded, name, budget, monkeypatch):
     """Mixed lengths, 16-token prefill chunks, prompt-cache hits and cancels."""
     model, tokenizer = loaded
-    measured = []
-    check = Ledger.check
-
-    def spy(self, live, prompt_cache):
-        measured.append((live, self.reserved(), prompt_cache))
-        return check(self, live, prompt_cache)
-
-    monkeypatch.setattr(Ledger, "check", spy)
+    measured = spy_checks(monkeypatch)
     engine = _engine(model, tokenizer, SETTINGS[name], budget, prefill_step_size=16,
                      prompt_concurrency=3, prompt_cache_size=16)  # fmt: skip
     try:
@@ -432,14 +426,7 @@ def test_prompt_cache_reuse_and_insertions_stay_within_the_budget(full_only, mon
     inside the engine after admissions and insertions as well as after steps."""
     model, tokenizer = full_only
     budget = 360_000
-    measured = []
-    check = Ledger.check
-
-    def spy(self, live, prompt_cache):
-        measured.append((live, self.reserved(), prompt_cache))
-        return check(self, live, prompt_cache)
-
-    monkeypatch.setattr(Ledger, "check", spy)
+    measured = spy_checks(monkeypatch)
     engine = _engine(model, tokenizer, DEFAULT_KV_CONFIG, budget, prefill_step_size=64)
     try:
         long = [1 + (i * 7) % 300 for i in range(600)]

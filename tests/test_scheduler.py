@@ -16,6 +16,7 @@ import logging
 import re
 
 import pytest
+from kvq_testing.budget import spy_checks
 from kvq_testing.events import Collector
 from kvq_testing.scripted import save_scripted_model
 from mlx_lm import load
@@ -61,19 +62,6 @@ def chat(tokenizer, i: int) -> list[int]:
     return chat_tokens(
         tokenizer, [{"role": "user", "content": f"Session {i:02d}: tell the story."}]
     )
-
-
-def spy_checks(monkeypatch) -> list[tuple[int, int, int]]:
-    """(live, bound, prompt cache) at every measurement inside the engine."""
-    measured = []
-    check = Ledger.check
-
-    def spy(self, live, prompt_cache):
-        measured.append((live, self.reserved(), prompt_cache))
-        return check(self, live, prompt_cache)
-
-    monkeypatch.setattr(Ledger, "check", spy)
-    return measured
 
 
 def start(model, tokenizer, plan, budget, **options) -> Engine:
