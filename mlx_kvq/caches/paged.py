@@ -80,6 +80,7 @@ class BlockPool:
         self.refs: list[int] = []
         self._free: list[int] = []
         self._tables: weakref.WeakSet[BlockTable] = weakref.WeakSet()  # to renumber
+        self.generation = 0  # counts renumberings: arrays of block ids made before are stale
 
     # -- storage --------------------------------------------------------------
     @property
@@ -150,6 +151,7 @@ class BlockPool:
             # nothing refers to any block: the storage goes
             self.keys = self.values = None
             self.refs, self._free = [], []
+            self.generation += 1
 
     def compact(self) -> None:
         """Give back free blocks once they are more than a growth step (a
@@ -171,6 +173,7 @@ class BlockPool:
             new = {b: i for i, b in enumerate(used)}
             for t in list(self._tables):
                 t.ids = [new[b] for b in t.ids]
+            self.generation += 1
         self.refs = [self.refs[b] for b in used]
         self._free = []
 
@@ -189,9 +192,7 @@ class BlockPool:
         self.values[ids, pos] = v
 
     def view(self, tables, bases, ends, window: int | None) -> tuple[PagedKV, PagedKV]:
-        """What attention receives for rows with these tables."""
-        tables = tuple(tuple(t) for t in tables)
-        bases, ends = tuple(bases), tuple(ends)
+        """What attention receives for rows with these tables (see `PagedKV`)."""
         return (
             PagedKV(self.keys.fetch(), tables, bases, ends, self.block_size, window),
             PagedKV(self.values.fetch(), tables, bases, ends, self.block_size, window),
@@ -227,8 +228,8 @@ class BlockTable:
         if self.ids:
             self.release()
 
-    def drop_before(self, position: int) -> None:
-        """Return the blocks holding only tokens before `position`."""
+    def drop_before(self, position: int) -> int:
+        """Return the blocks holding only tokens before `position`; how many."""
         bs = self.pool.block_size
         n = max(0, position // bs - self.base // bs)
         n = min(n, len(self.ids))
@@ -236,6 +237,7 @@ class BlockTable:
             dropped, self.ids = self.ids[:n], self.ids[n:]
             self.base += n * bs
             self.pool.decref(dropped)
+        return n
 
     def trim(self, n: int) -> int:
         """Forget the last `n` tokens (never before `base`); returns how many."""
@@ -407,9 +409,7 @@ class KVQPagedSequence(PagedCache):
         t = self.table
         parts = []
         for store in (self.pool.keys, self.pool.values):
-            view = PagedKV(
-                store.fetch(), (tuple(t.ids),), (t.base,), (t.length,), self.pool.block_size
-            )
+            view = PagedKV(store.fetch(), (t.ids,), (t.base,), (t.length,), self.pool.block_size)
             row = view.row(0)
             parts.append(
                 Store((row.data, row.scales, row.biases) if view.quantized else (row,), store.spec)
@@ -463,6 +463,42 @@ class KVQPagedWindowSequence(KVQPagedSequence):
         return self.window
 
 
+class _TableArray:
+    """A batch's block tables as one int32 array `(rows, width)`: what attention
+    reads, built once and kept in step with the `BlockTable`s (which stay the
+    truth: references, copy on write, renumbering). A row is copied in again
+    only when its blocks change (a new block, a copy on write, a window's
+    blocks going back); a step that only appends tokens changes nothing here.
+    Views share the array until the next change, which copies it first."""
+
+    __slots__ = ("generation", "ids", "lent")
+
+    def __init__(self, tables: list[BlockTable], generation: int):
+        width = max((len(t.ids) for t in tables), default=0)
+        self.generation = generation
+        self.ids = np.zeros((len(tables), width + 8), dtype=np.int32)
+        self.lent = False
+        for i, t in enumerate(tables):
+            self.ids[i, : len(t.ids)] = t.ids
+
+    def set_row(self, i: int, t: BlockTable) -> None:
+        n = len(t.ids)
+        if self.lent or n > self.ids.shape[1]:
+            width = max(self.ids.shape[1], n + n // 4 + 8)
+            ids = np.zeros((self.ids.shape[0], width), dtype=np.int32)
+            ids[:, : self.ids.shape[1]] = self.ids
+            self.ids, self.lent = ids, False
+        self.ids[i, :n] = t.ids
+        self.ids[i, n:] = 0
+
+    def lend(self) -> np.ndarray:
+        """The array, read-only, for views made now."""
+        self.lent = True
+        out = self.ids.view()
+        out.flags.writeable = False
+        return out
+
+
 class KVQPagedFullCache(PagedCache):
     """A batch of full-attention rows over one pool; see the module docstring."""
 
@@ -474,10 +510,20 @@ class KVQPagedFullCache(PagedCache):
         self.tables: list[BlockTable] = []
         self._limits: list[int] | None = None  # real row ends between prepare and finalize
         self._pad: list[int] | None = None
+        self._table_array: _TableArray | None = None
         self.offset = mx.array([], dtype=mx.int32)
 
     def _sync(self) -> None:
+        """After the tables changed shape (rows in or out, trimmed): the table
+        array is rebuilt when next needed."""
+        self._table_array = None
         self.offset = mx.array([t.length for t in self.tables], dtype=mx.int32)
+
+    def _tables(self) -> _TableArray:
+        ta = self._table_array
+        if ta is None or ta.generation != self.pool.generation:
+            ta = self._table_array = _TableArray(self.tables, self.pool.generation)
+        return ta
 
     def _after_copy(self) -> None:
         self._sync()
@@ -488,7 +534,8 @@ class KVQPagedFullCache(PagedCache):
             return
         for i, t in enumerate(self.tables):
             end = t.length if self._limits is None else min(t.length, self._limits[i])
-            t.drop_before(end - self.window + 1)
+            if t.drop_before(end - self.window + 1) and self._table_array is not None:
+                self._table_array.set_row(i, t)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, _, N, _ = keys.shape
@@ -496,31 +543,56 @@ class KVQPagedFullCache(PagedCache):
             raise ValueError(f"paged batch has {len(self.tables)} rows, got {B}")
         self._drop_old()
         k, v = self.pool.encode(keys, values)
-        blocks, slots = [], []
-        for t in self.tables:
-            b, s = t.reserve(N, k, v)
-            blocks += b
-            slots += s
+        blocks, slots = self._reserve(N, k, v)
 
         def tokens(a: mx.array) -> mx.array:
             return a.transpose(0, 2, 1, 3).reshape(B * N, a.shape[1], a.shape[-1])
 
         self.pool.write(blocks, slots, k.map(tokens), v.map(tokens))
-        self._sync()
-        out = self.keys_and_values()
+        ends = [t.length for t in self.tables]
+        self.offset = mx.array(ends, dtype=mx.int32)
+        out = self._view(ends)
         # A window keeps only what its next query sees: the view above holds its
         # own copy of the tables and the pool's arrays as written now, so blocks
         # go back at once (a prompt chunk's do not wait for the next step).
         self._drop_old()
         return out
 
+    def _reserve(self, N: int, k: Store, v: Store) -> tuple[list[int], list[int]]:
+        """Blocks and slots for every row's next `N` tokens, row after row. A
+        decode step (one token) only reads each row's last block and moves its
+        length, unless the row needs a new block or writes into a shared one
+        (then its table's `reserve` allocates or copies on write); the table
+        array changes only for those rows."""
+        if N != 1:
+            blocks, slots = [], []
+            for t in self.tables:
+                b, s = t.reserve(N, k, v)
+                blocks += b
+                slots += s
+            self._table_array = None
+            return blocks, slots
+        ta = self._tables()
+        refs = self.pool.refs
+        bs = self.pool.block_size
+        blocks, slots = [], []
+        for i, t in enumerate(self.tables):
+            j, slot = divmod(t.length - t.base, bs)
+            if j < len(t.ids) and refs[t.ids[j]] == 1:
+                t.length += 1
+            else:
+                t.reserve(1, k, v)
+                ta.set_row(i, t)
+            blocks.append(t.ids[j])
+            slots.append(slot)
+        return blocks, slots
+
+    def _view(self, ends: list[int]) -> tuple[PagedKV, PagedKV]:
+        bases = [t.base for t in self.tables]
+        return self.pool.view(self._tables().lend(), bases, ends, self.window)
+
     def keys_and_values(self):
-        return self.pool.view(
-            [t.ids for t in self.tables],
-            [t.base for t in self.tables],
-            [t.length for t in self.tables],
-            self.window,
-        )
+        return self._view([t.length for t in self.tables])
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_):
         """ "causal" (or None for one token): attention derives each row's mask
@@ -576,6 +648,7 @@ class KVQPagedFullCache(PagedCache):
             raise ValueError("paged caches extend only within one pool")
         self.tables += other.tables
         other.tables = []
+        other._sync()
         self._sync()
 
     def extract(self, idx: int) -> KVQPagedSequence:
