@@ -80,7 +80,7 @@ class BlockPool:
         self.refs: list[int] = []
         self._free: list[int] = []
         self._tables: weakref.WeakSet[BlockTable] = weakref.WeakSet()  # to renumber
-        self.generation = 0  # counts renumberings: arrays of block ids made before are stale
+        self.renumbered = 0  # counts renumberings: arrays of block ids made before are stale
 
     # -- storage --------------------------------------------------------------
     @property
@@ -151,7 +151,7 @@ class BlockPool:
             # nothing refers to any block: the storage goes
             self.keys = self.values = None
             self.refs, self._free = [], []
-            self.generation += 1
+            self.renumbered += 1
 
     def compact(self) -> None:
         """Give back free blocks once they are more than a growth step (a
@@ -173,7 +173,7 @@ class BlockPool:
             new = {b: i for i, b in enumerate(used)}
             for t in list(self._tables):
                 t.ids = [new[b] for b in t.ids]
-            self.generation += 1
+            self.renumbered += 1
         self.refs = [self.refs[b] for b in used]
         self._free = []
 
@@ -471,11 +471,11 @@ class _TableArray:
     blocks going back); a step that only appends tokens changes nothing here.
     Views share the array until the next change, which copies it first."""
 
-    __slots__ = ("generation", "ids", "lent")
+    __slots__ = ("ids", "lent", "renumbered")
 
-    def __init__(self, tables: list[BlockTable], generation: int):
+    def __init__(self, tables: list[BlockTable], renumbered: int):
         width = max((len(t.ids) for t in tables), default=0)
-        self.generation = generation
+        self.renumbered = renumbered
         self.ids = np.zeros((len(tables), width + 8), dtype=np.int32)
         self.lent = False
         for i, t in enumerate(tables):
@@ -521,8 +521,8 @@ class KVQPagedFullCache(PagedCache):
 
     def _tables(self) -> _TableArray:
         ta = self._table_array
-        if ta is None or ta.generation != self.pool.generation:
-            ta = self._table_array = _TableArray(self.tables, self.pool.generation)
+        if ta is None or ta.renumbered != self.pool.renumbered:
+            ta = self._table_array = _TableArray(self.tables, self.pool.renumbered)
         return ta
 
     def _after_copy(self) -> None:
