@@ -281,8 +281,10 @@ def _run(kspec, vspec, window, block, script, seed, native, first=(3, 5)) -> Blo
         elif op == "fork" and 0 < b < 5:
             pair.fork(int(rng.integers(0, b)))
         elif op == "trim" and b:
-            # (mlx-lm trims a padded buffer: a row shorter than `arg` would go negative)
-            if window is None and arg < min(t.length for t in pair.ours.tables):
+            # (mlx-lm trims a padded buffer: a row shorter than `arg` would go
+            # negative; a window trims only before it wraps)
+            trimmable = pair.ours.is_trimmable() and pair.ref.is_trimmable()
+            if trimmable and arg < min(t.length for t in pair.ours.tables):
                 pair.trim(arg)
         elif op == "copy":
             pair.ours = copy.deepcopy(pair.ours)  # the original is dropped: its blocks go back
