@@ -16,7 +16,7 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kvq_testing.helpers import (
     as_bool,
@@ -373,6 +373,11 @@ def _run_batch(specs, ops, seed, windowed: bool, max_size: int = 12):
 
 @SETTINGS
 @given(specs=specs, ops=batch_ops, seed=st.integers(0, 2**30))
+@example(  # a row extracted with no tokens yet, rotated: nothing to transform
+    specs=(QuantSpec(4, 64, "hadamard"), QuantSpec(6, 64, "hadamard")),
+    ops=[("extend", 185), ("extract", 0)],
+    seed=35082,
+)
 def test_batch_full_cache_matches_batchkvcache(specs, ops, seed):
     _run_batch(specs, ops, seed, windowed=False)
 

@@ -343,16 +343,10 @@ def test_window_chunk_after_decodes_matches_exact_window(window, script):
     _run(QuantSpec(4), QuantSpec(4), window, 1, script, 0, False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the padded layout mirrors mlx-lm's BatchRotatingKVCache mask: after "
-    "decodes wrap the ring, a chunk's mask hides a left-padded row's oldest "
-    "tokens still in the window (rare in serving: a turn's prompt batch is "
-    "merged from unwrapped caches; it wraps only if every row takes a one-token "
-    "prompt step before a longer one)",
-)
 def test_padded_window_chunk_after_decodes_matches_exact_window():
-    """The padded layout in the case above, against the exact reference."""
+    """The padded layout in the case above, against the exact reference
+    (mlx-lm 0.32's BatchRotatingKVCache, which it once mirrored, hides a
+    left-padded row's oldest tokens still in the window here)."""
     data, window, spec = Data(0), 11, QuantSpec(4)
     rows = [KVQWindowCache(window, spec, spec, hand_out=DEQUANTIZED) for _ in range(2)]
     cache = KVQBatchWindowCache.merge(rows)
