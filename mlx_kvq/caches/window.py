@@ -460,11 +460,7 @@ class KVQBatchWindowCache(BatchKVQCache):
         self._filter_rows(batch_indices)
 
     def extend(self, other: KVQBatchWindowCache) -> None:
-        if (
-            self._keys is not None
-            and other._keys is not None
-            and (self.rotated != other.rotated or self._idx != other._idx)
-        ):
+        if self.rotated != other.rotated or self._idx != other._idx:
             self._temporal_order()
             other._temporal_order()
         if self._extend_stores(other):
