@@ -466,6 +466,29 @@ def test_window_rows_return_blocks_beyond_the_window():
     assert pool.used <= 3 * 3
 
 
+def test_window_rows_read_again_after_a_write_see_what_it_saw():
+    """KV-shared layers (gemma3n) read their owner's window after it wrote a
+    chunk, for the same queries: the blocks the write returned are still read,
+    until the pool gives one of them to another table."""
+    pool = BlockPool(4, QuantSpec(4), QuantSpec(4))
+    data = Data(3)
+    batch = _batch(pool, window=8, rows=2)
+    written, _ = batch.update_and_fetch(*data.kv(2, 20))
+    assert [t.base for t in batch.tables] == [12, 12]  # the next query sees 13..20
+    again, _ = batch.keys_and_values()
+    assert again.ends == written.ends == (20, 20) and again.bases == written.bases == (0, 0)
+    for b in range(2):
+        x, y = again.row(b), written.row(b)
+        assert mx.array_equal(x.data, y.data).item() and mx.array_equal(x.scales, y.scales).item()
+    other = _batch(pool, window=8)
+    other.update_and_fetch(*data.kv(1, 1))  # takes a block the window returned
+    now, _ = batch.keys_and_values()
+    assert now.bases == (12, 12) and now.tables == tuple(tuple(t.ids) for t in batch.tables)
+    batch.update_and_fetch(*data.kv(2, 1))
+    batch.filter([1])
+    assert batch.keys_and_values()[0].tables == (tuple(batch.tables[0].ids),)
+
+
 def test_compaction_gives_back_free_blocks_and_renumbers_tables():
     pool = BlockPool(4, QuantSpec(4), QuantSpec(8))
     data = Data(5)

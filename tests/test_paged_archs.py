@@ -25,10 +25,7 @@ from mlx_kvq.engine.runner import choose_layout
 from mlx_kvq.plan import plan_kv
 
 NAMES = [
-    "llama", "qwen3", "gemma3_text", "gpt_oss", "llama4",
-    pytest.param("gemma3n", marks=pytest.mark.xfail(strict=True, reason="paged KV-shared "
-                 "layers of gemma3n differ from the exact result (0.54 in log-probability)")),
-    "gemma4_text",
+    "llama", "qwen3", "gemma3_text", "gpt_oss", "llama4", "gemma3n", "gemma4_text",
     "cohere2", "falcon_h1", "recurrent_gemma", "deepseek_v3", "deepseek_v32",
     "deepseek_v41", "gear",
 ]  # fmt: skip

@@ -79,6 +79,9 @@ class BlockPool:
         self.values: Store | None = None
         self.refs: list[int] = []
         self._free: list[int] = []
+        # bumped whenever a freed block may hold other tokens or move (allocation,
+        # compaction, storage released): a remembered table of freed blocks is stale
+        self.generation = 0
         self._tables: weakref.WeakSet[BlockTable] = weakref.WeakSet()  # to renumber
 
     # -- storage --------------------------------------------------------------
@@ -133,6 +136,7 @@ class BlockPool:
             self._grow(k, v)
         block = heapq.heappop(self._free)  # the lowest: used blocks gather at the front
         self.refs[block] = 1
+        self.generation += 1
         return block
 
     def incref(self, blocks: list[int]) -> None:
@@ -150,6 +154,7 @@ class BlockPool:
             # nothing refers to any block: the storage goes
             self.keys = self.values = None
             self.refs, self._free = [], []
+            self.generation += 1
 
     def compact(self) -> None:
         """Give back free blocks once they are more than a growth step (a
@@ -161,6 +166,7 @@ class BlockPool:
         used = [b for b, r in enumerate(self.refs) if r]
         if len(self.refs) - len(used) <= max(self.min_growth, len(used) // 16):
             return
+        self.generation += 1
         if used == list(range(len(used))):  # the free blocks are the tail
             self.keys = self.keys.map(lambda a: mx.array(a[: len(used)]))
             self.values = self.values.map(lambda a: mx.array(a[: len(used)]))
@@ -474,10 +480,12 @@ class KVQPagedFullCache(PagedCache):
         self.tables: list[BlockTable] = []
         self._limits: list[int] | None = None  # real row ends between prepare and finalize
         self._pad: list[int] | None = None
+        self._written: tuple | None = None  # (pool generation, the last write's view rows)
         self.offset = mx.array([], dtype=mx.int32)
 
     def _sync(self) -> None:
         self.offset = mx.array([t.length for t in self.tables], dtype=mx.int32)
+        self._written = None
 
     def _after_copy(self) -> None:
         self._sync()
@@ -512,9 +520,18 @@ class KVQPagedFullCache(PagedCache):
         # own copy of the tables and the pool's arrays as written now, so blocks
         # go back at once (a prompt chunk's do not wait for the next step).
         self._drop_old()
+        if self.window is not None:
+            self._written = (self.pool.generation, out[0].tables, out[0].bases, out[0].ends)
         return out
 
     def keys_and_values(self):
+        """The rows as attention receives them. Right after a write, a window row
+        returns the blocks only that write's queries see; until the rows change or
+        the pool hands one of those blocks out again, this is still the last
+        write's view, which KV-shared layers (gemma3n) read after their owner for
+        the same queries."""
+        if self._written is not None and self._written[0] == self.pool.generation:
+            return self.pool.view(*self._written[1:], self.window)
         return self.pool.view(
             [t.ids for t in self.tables],
             [t.base for t in self.tables],
