@@ -13,6 +13,7 @@ SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 ROTATIONS = ("none", "hadamard")
 SCALE_BYTES = 2  # scales and biases are stored as float16/bfloat16
+PAGED_BLOCK_SIZE = 32  # tokens per block of the paged KV layout (`--kv-block-size`)
 
 
 class UnsupportedKVConfig(ValueError):

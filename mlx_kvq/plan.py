@@ -474,6 +474,13 @@ def _slot_shapes(c) -> tuple[int, int, int, int]:
     return c.keys.shape[1], c.keys.shape[-1], c.values.shape[-1], c.keys.dtype.size
 
 
+def has_bounded_layers(model_or_config, max_kv_size: int | None = None) -> bool:
+    """Whether some KV layer of the model keeps a bounded window of tokens
+    (sliding, chunked, or every full layer under `max_kv_size`): the default
+    KV setting depends on it (`defaults.default_kv_config`)."""
+    return plan_kv(model_or_config, KVConfig(max_kv_size=max_kv_size)).max_window is not None
+
+
 def plan_kv(
     model_or_config,
     kv_config: KVConfig | None = None,

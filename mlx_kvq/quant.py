@@ -37,7 +37,10 @@ def scale_dtype(dtype: mx.Dtype) -> mx.Dtype:
 
 
 def rotate(x: mx.array) -> mx.array:
-    """Orthonormal Hadamard transform over the last axis (its own inverse)."""
+    """Orthonormal Hadamard transform over the last axis (its own inverse);
+    an empty array (a row extracted with no tokens) stays as it is."""
+    if x.size == 0:
+        return x
     return mx.hadamard_transform(x, scale=1.0 / math.sqrt(x.shape[-1]))
 
 

@@ -235,17 +235,36 @@ MODEL_TITLES = {
 }
 
 
+def model_name(key: str) -> str:
+    """Which demo model a frontier run is of, from its key (see `section_key`)."""
+    return "gemma" if key == "frontier" else key.split("_")[1]
+
+
 def model_title(key: str) -> str:
-    """Which model a frontier run is of, from its key (see `section_key`)."""
-    name = "gemma" if key == "frontier" else key.split("_")[1]
+    name = model_name(key)
     return MODEL_TITLES.get(name, name)
 
 
-def default_row(all_rows: list[dict]) -> dict | None:
-    """The row of the package's default setting (`DEFAULT_KV_CONFIG`), if measured."""
-    from mlx_kvq.defaults import DEFAULT_KV_CONFIG
+def bounded(model: str) -> bool:
+    """Whether a demo model has a bounded layer (a sliding window)."""
+    from mlx_kvq.demo import resolve_model
+    from mlx_kvq.plan import has_bounded_layers
 
-    return next((r for r in all_rows if config_of(r) == DEFAULT_KV_CONFIG), None)
+    return has_bounded_layers(Path(resolve_model(f"demo:{model}")[0]))
+
+
+def package_default(model: str = "gemma") -> KVConfig:
+    """The package's default setting on a demo model: it depends on whether the
+    model has a bounded layer (`mlx_kvq.defaults.default_kv_config`)."""
+    from mlx_kvq.defaults import default_kv_config
+
+    return default_kv_config(bounded(model))
+
+
+def default_row(all_rows: list[dict], model: str = "gemma") -> dict | None:
+    """The row of the package's default setting on `model`, if measured."""
+    default = package_default(model)
+    return next((r for r in all_rows if config_of(r) == default), None)
 
 
 def choice_line(all_rows: list[dict]) -> str:
@@ -258,7 +277,7 @@ def choice_line(all_rows: list[dict]) -> str:
 
 def frontier_section(data: dict, key: str = "frontier") -> str:
     all_rows = rows(data)
-    default = default_row(all_rows) or {"label": None}
+    default = default_row(all_rows, model_name(key)) or {"label": None}
     first = next(iter(data["texts"].values()))[0]
     ppl = ", ".join(f"{n} {rs[0]['ppl_base']:.2f}" for n, rs in data["texts"].items())
     head = (
@@ -288,11 +307,9 @@ def eval_command(row: dict, first: dict, model: str | None = None) -> str:
     """The `mlx-kvq eval` command that measures `row` on the frontier's windows
     (of `model`, a demo model's name; the gemma demo needs no flag): no bits
     flag when it is the package's default setting."""
-    from mlx_kvq.defaults import DEFAULT_KV_CONFIG
-
     cmd = "mlx-kvq eval " + (f"--model demo:{model} " if model not in (None, "gemma") else "")
     cmd += f"--context {first['context']} --chunk {first['chunk']} --windows {first['windows']}"
-    if config_of(row) == DEFAULT_KV_CONFIG:
+    if config_of(row) == package_default(model or "gemma"):
         return cmd
     c = row["kv_config"]
     flags = [f"--kv-bits {c['bits']}"]
@@ -332,7 +349,7 @@ def default_section(data: dict, model: str = "gemma") -> str:
     them prints them."""
     from mlx_kvq.evaluate import format_text_table
 
-    default = default_row(rows(data))
+    default = default_row(rows(data), model)
     first = next(iter(data["texts"].values()))[0]
     results = [{"text": n, **default["texts"][n]} for n in data["texts"]]
     return (
@@ -352,7 +369,7 @@ def frontier_plot(data: dict, path: Path, key: str = "frontier") -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install 'mlx-kvq[plot]'): plot skipped"
     all_rows = rows(data)
-    default = default_row(all_rows)
+    default = default_row(all_rows, model_name(key))
     fig, (ax_kl, ax_top) = plt.subplots(1, 2, figsize=(12, 4.8))
     for name, color in zip(data["texts"], ("tab:blue", "tab:orange"), strict=False):
         for windowed, marker in ((False, "o"), (True, "s")):
@@ -586,30 +603,30 @@ def render_frontier(key: str, section: dict) -> None:
     if msg:
         print(msg, file=sys.stderr)
     model = next((m for m, k in RULE_RUNS.items() if k == key), None)
-    if model is not None and default_row(rows(data)) is not None:
+    if model is not None and default_row(rows(data), model) is not None:
         block = "default" if model == "gemma" else f"default_{model}"
         write_section(block, default_section(data, model), cmd)
 
 
 def render_rule(raw: dict) -> None:
-    """The growth table, and the rule's choice over every model of RULE_RUNS
+    """The growth table, and the rule's choice on every model of RULE_RUNS
     if all are recorded."""
     growth = growth_section(raw)
     if growth:
         write_section("growth", growth, "python scripts/quality_tables.py --render")
     if not all(k in raw for k in RULE_RUNS.values()):
         return
-    both = combined_rows(raw)
-    write_section("rule", rule_section(both), "python scripts/quality_tables.py --render")
-    try:
-        chosen = choose_default(both)
-    except ValueError as e:
-        print(f"rule over {', '.join(RULE_RUNS)}: {e}", file=sys.stderr)
-        return
-    print(f"default over {', '.join(RULE_RUNS)}: {chosen['label']}", file=sys.stderr)
-    if config_of(chosen) != _default_config():
-        print("the chosen default is not DEFAULT_KV_CONFIG: update mlx_kvq/defaults.py",
-              file=sys.stderr)  # fmt: skip
+    write_section("rule", rule_section(raw), "python scripts/quality_tables.py --render")
+    for model, key in RULE_RUNS.items():
+        try:
+            chosen = choose_default(rows(raw[key]["data"]))
+        except ValueError as e:
+            print(f"rule on {model}: {e}", file=sys.stderr)
+            continue
+        print(f"default on {model}: {chosen['label']}", file=sys.stderr)
+        if config_of(chosen) != package_default(model):
+            print(f"the rule's choice on {model} is not the package's default for its layout: "
+                  "update mlx_kvq/defaults.py", file=sys.stderr)  # fmt: skip
 
 
 def growth_section(raw: dict) -> str | None:
@@ -647,15 +664,32 @@ def growth_section(raw: dict) -> str | None:
     return "\n".join(lines) if found else None
 
 
-def _default_config() -> KVConfig:
-    from mlx_kvq.defaults import DEFAULT_KV_CONFIG
-
-    return DEFAULT_KV_CONFIG
-
-
-def rule_section(both: list[dict]) -> str:
-    """The settings that meet the goal on every model and text, worst first."""
+def rule_section(raw: dict) -> str:
+    """The rule on each model's run of RULE_RUNS beside the package's default
+    for that model's layout, then the settings measured on every model, worst
+    first, and whether one of them meets the goal on all of them."""
     lines = [
+        "| model | bounded layers | chosen by the rule | bits/elem | worst mean KL | worst top-1 "
+        "| the package's default |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
+    for model, key in RULE_RUNS.items():
+        has = "yes" if bounded(model) else "no"
+        try:
+            chosen = choose_default(rows(raw[key]["data"]))
+        except ValueError:
+            lines.append(f"| {model} | {has} | none meets the goal | | | | |")
+            continue
+        kl, top1 = worst(chosen)
+        same = "yes" if config_of(chosen) == package_default(model) else "**no**"
+        lines.append(f"| {model} | {has} | {chosen['label']} | "
+                     f"{chosen['bits']:.2f} | {kl:.2e} | {100 * top1:.2f}% | {same} |")  # fmt: skip
+    both = combined_rows(raw)
+    lines += [
+        "",
+        "One setting for every model (the settings measured on all of them; bits per element "
+        "of each model; worst of all their texts):",
+        "",
         "| setting | bits/elem, " + ", ".join(RULE_RUNS) + " | worst mean KL | worst top-1 "
         "| meets on every model |",
         "|---|---:|---:|---:|---|",
@@ -663,8 +697,7 @@ def rule_section(both: list[dict]) -> str:
     for r in sorted(both, key=lambda r: worst(r)[0]):
         bits = " / ".join(f"{m['bits']:.2f}" for m in r["models"].values())
         kl, top1 = worst(r)
-        label = f"**{r['label']}**" if config_of(r) == _default_config() else r["label"]
-        lines.append(f"| {label} | {bits} | {kl:.2e} | {100 * top1:.2f}% | "
+        lines.append(f"| {r['label']} | {bits} | {kl:.2e} | {100 * top1:.2f}% | "
                      f"{'yes' if meets_goal(r) else ''} |")  # fmt: skip
     return "\n".join(lines) + "\n\n" + choice_line(both)
 

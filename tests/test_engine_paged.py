@@ -87,6 +87,41 @@ def test_greedy_text_is_the_same_in_both_layouts(loaded):
         paged.stop()
 
 
+def _turns(eng, prompts, max_tokens=12):
+    """Two turns of each chat, all chats at once: the second prompt is the
+    first, its answer and a new message, so the second turn continues from
+    the prompt cache with a chunk after decodes that wrapped the window."""
+    first = _run(eng, prompts, max_tokens)
+    follow = [
+        p + out + [30 + i, 31, 32 + i]
+        for i, (p, out) in enumerate(zip(prompts, first, strict=True))
+    ]
+    collectors = []
+    for p in follow:
+        c = Collector()
+        eng.submit(GenerationRequest(list(p), SamplingParams(max_tokens=max_tokens)), c)
+        collectors.append(c)
+    second = [c.wait() for c in collectors]
+    cached = [c.end.usage.cached_tokens for c in second]
+    return first, [c.tokens for c in second], cached
+
+
+def test_greedy_text_is_the_same_in_both_layouts_over_turns(loaded):
+    padded = _engine(loaded, None, prompt_cache_size=40)
+    try:
+        want = _turns(padded, PROMPTS)
+    finally:
+        padded.stop()
+    paged = _engine(loaded, 4, prompt_cache_size=40)
+    try:
+        got = _turns(paged, PROMPTS)
+    finally:
+        paged.stop()
+    assert got[0] == want[0] and got[1] == want[1]
+    # the second turns did continue from the first turns' caches
+    assert all(n > 0 for n in got[2]) and got[2] == want[2]
+
+
 def test_a_shared_prefix_is_mapped_by_reference(loaded):
     eng = _engine(loaded, 4, prompt_cache_size=40)
     try:

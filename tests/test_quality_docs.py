@@ -4,9 +4,11 @@ The `default` and `default_full` blocks of docs/quality.md each hold an
 `mlx-kvq eval` command and the table it prints for one demo model (hybrid
 `demo:gemma`, full-attention `demo:full`), taken from the frontier runs
 recorded in docs/quality.json. Checked here: each command evaluates the
-package's default setting; that setting is the one the documented rule
-(`choose_default` in scripts/quality_tables.py) picks from the recorded
-frontiers of both models at once; the doc shows the recorded numbers; and
+package's default setting for that model's layout (with or without a bounded
+layer); that setting is the one the documented rule (`choose_default` in
+scripts/quality_tables.py) picks from the model's recorded frontier, while
+no single setting meets the goal on both models; the doc shows the recorded
+numbers; and
 running each command on a slice (the first window of each text) reproduces
 the recorded per-window KL and top-1 figures within the standard error the
 doc states beside them (the perplexity change, secondary and sensitive to
@@ -28,7 +30,8 @@ import pytest
 from mlx_kvq import evaluate as ev
 from mlx_kvq.commands import build_parser
 from mlx_kvq.commands.flags import kv_config
-from mlx_kvq.defaults import DEFAULT_KV_CONFIG
+from mlx_kvq.commands.startup import kv_setting, model_source
+from mlx_kvq.defaults import DEFAULT_FULL_KV_CONFIG, DEFAULT_KV_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "quality.md"
@@ -38,6 +41,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import quality_tables as qt  # noqa: E402
 
 BLOCKS = {"gemma": "default", "full": "default_full"}
+LAYOUT_DEFAULTS = {"gemma": DEFAULT_KV_CONFIG, "full": DEFAULT_FULL_KV_CONFIG}
 
 
 @pytest.fixture(scope="module")
@@ -74,29 +78,34 @@ def test_the_default_is_the_rules_choice_and_the_doc_shows_the_recorded_numbers(
     assert args.text is None  # both demo texts
 
 
-def test_the_rule_over_both_models_picks_the_default(raw):
+def test_the_rule_picks_each_layouts_default_and_no_one_setting_serves_both(raw):
     both = qt.combined_rows(raw)
-    chosen = qt.choose_default(both)
-    assert qt.config_of(chosen) == DEFAULT_KV_CONFIG
-    assert len(chosen["texts"]) == 4 and qt.meets_goal(chosen)
-    assert qt.rule_section(both) in _block("rule")
+    assert len(both) >= 5 and all(len(r["texts"]) == 4 for r in both)
+    with pytest.raises(ValueError, match="no setting meets the goal"):
+        qt.choose_default(both)
+    assert qt.rule_section(raw) in _block("rule")
     for model, block in BLOCKS.items():
+        want = LAYOUT_DEFAULTS[model]
+        assert qt.package_default(model) == want
         data = raw[qt.RULE_RUNS[model]]["data"]
+        chosen = qt.choose_default(qt.rows(data))
+        assert qt.config_of(chosen) == want and qt.meets_goal(chosen)
         assert qt.default_section(data, model) in _block(block)
-        assert qt.frontier_table(qt.rows(data), qt.default_row(qt.rows(data))) in _block(
+        assert qt.frontier_table(qt.rows(data), qt.default_row(qt.rows(data), model)) in _block(
             qt.RULE_RUNS[model]
         )
         args = _command_args(block)
-        assert kv_config(args) == DEFAULT_KV_CONFIG
+        assert kv_setting(args, model_source(args)) == want  # from config.json
         assert args.text is None  # both texts of that demo model
 
 
 @pytest.mark.parametrize("which", list(BLOCKS))
 def test_the_command_reproduces_the_recorded_figures_on_a_slice(raw, which):
     args = _command_args(BLOCKS[which])
-    cfg = kv_config(args)
-    row = qt.default_row(qt.rows(raw[qt.RULE_RUNS[which]]["data"]))
+    row = qt.default_row(qt.rows(raw[qt.RULE_RUNS[which]]["data"]), which)
     model, _, texts = ev.load_eval_inputs(args.model, args.text)
+    cfg = kv_setting(args, model_source(args), model)
+    assert cfg == LAYOUT_DEFAULTS[which]
     assert list(texts) == list(row["texts"])
     for name, (ids, bos) in texts.items():
         want = row["texts"][name]

@@ -83,19 +83,23 @@ def run(engine, prompts, **params) -> list[Collector]:
     return sinks
 
 
-def priced(plan, budget: int, step: int = 2048) -> Share:
-    """A share of `budget` priced as the engine lays the batch out."""
-    layout = choose_layout(plan, EngineOptions().block_size)
+def priced(plan, budget: int, step: int = 2048, block_size=EngineOptions().block_size) -> Share:
+    """A share of `budget` priced as the engine lays the batch out (paged in
+    blocks of `block_size`; None: padded rows)."""
+    layout = choose_layout(plan, block_size)
     return share_for(
         plan, budget, prefill_step=step, prompt_rows=8, paged=layout.paged,
         block_size=layout.block_size or 0,
     )  # fmt: skip
 
 
-def holds(plan, rows: int, prompt: int, total: int, prompting: int, step: int = 2048) -> int:
+def holds(
+    plan, rows: int, prompt: int, total: int, prompting: int, step: int = 2048,
+    block_size=EngineOptions().block_size,
+) -> int:  # fmt: skip
     """The bound of `rows` sequences of `prompt` -> `total` tokens, `prompting`
     of them in their prompt (processed in chunks of `step` tokens)."""
-    cost = priced(plan, 1, step).cost
+    cost = priced(plan, 1, step, block_size).cost
     shapes = [Shape(prompt, total)] * rows
     return cost.bound(shapes, shapes[:prompting])
 
@@ -169,14 +173,16 @@ class TwoRanks(LocalCoordinator):
 
 def test_a_group_admits_and_preempts_by_its_smallest_rank(scripted):
     """This rank's budget holds all eight whole; the other rank's third does
-    not: the group admits, grows and preempts by it, texts unchanged."""
+    not: the group admits, grows and preempts by it, texts unchanged. Padded
+    rows, whose growth steps make the third too small to finish without
+    preempting (paged, admission alone keeps the group within it)."""
     model, tokenizer, plan = scripted
     prompts = [chat(tokenizer, i) for i in range(N)]
     p = max(len(x) for x in prompts)
-    budget = holds(plan, N, p, p + len(PIECES) + 2, N, step=8)  # alone: no preemption
+    budget = holds(plan, N, p, p + len(PIECES) + 2, N, step=8, block_size=None)
     engine = Engine(model, tokenizer, plan, DEFAULT_KV_CONFIG, EngineOptions(
         kv_cache_memory=budget, max_context=plan.max_context, prefill_step_size=8,
-        prompt_cache_size=N), coordinator=TwoRanks())  # fmt: skip
+        prompt_cache_size=N, block_size=None), coordinator=TwoRanks())  # fmt: skip
     engine.start()
     try:
         assert engine.readiness.ready_event.wait(WAIT_S) and engine.readiness.ready

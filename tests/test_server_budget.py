@@ -21,7 +21,9 @@ from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
 
 from mlx_kvq.defaults import DEFAULT_KV_CONFIG
+from mlx_kvq.engine import EngineOptions
 from mlx_kvq.engine.budget import Shape, share_for
+from mlx_kvq.engine.runner import choose_layout
 from mlx_kvq.plan import plan_kv
 
 BUDGET = 400_000  # bytes: three of the requests below at the default KV setting
@@ -61,7 +63,11 @@ def completion(server, prompt, max_tokens, stream=False):
 def test_flood_under_a_small_budget(model_dir, tmp_path):
     model, _ = load(str(model_dir))
     plan = plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
-    cost = share_for(plan, BUDGET, prefill_step=2048, prompt_rows=8).cost
+    layout = choose_layout(plan, EngineOptions().block_size)  # as the server lays it out
+    cost = share_for(
+        plan, BUDGET, prefill_step=2048, prompt_rows=8, paged=layout.paged,
+        block_size=layout.block_size or 0,
+    ).cost  # fmt: skip
     worst = cost.sequences(BUDGET, Shape(PROMPT, PROMPT + MAX_TOKENS))
     # what the budget holds as the sequences are when they start decoding
     fits = max(n for n in range(1, 64) if cost.bound([Shape(PROMPT, PROMPT + 1)] * n, []) <= BUDGET)

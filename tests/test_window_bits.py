@@ -21,9 +21,11 @@ from kvq_testing.helpers import tiny_model
 import mlx_kvq
 from mlx_kvq import KVConfig, UnsupportedKVConfig
 from mlx_kvq.caches import KVQCache, cache_report
+from mlx_kvq.commands import main
 from mlx_kvq.commands.flags import add_kv_flags, kv_config
+from mlx_kvq.commands.startup import ModelSource, kv_setting
 from mlx_kvq.config import QuantSpec
-from mlx_kvq.defaults import DEFAULT_KV_CONFIG
+from mlx_kvq.defaults import DEFAULT_FULL_KV_CONFIG, DEFAULT_KV_CONFIG
 from mlx_kvq.evaluate import held_storage
 from mlx_kvq.generate import load_prompt_cache, save_prompt_cache
 from mlx_kvq.plan import plan_kv
@@ -183,6 +185,28 @@ def test_command_line_default_and_explicit_bits():
     only = kv_config(_args("--kv-window-bits", "6"))
     assert only.specs() == DEFAULT_KV_CONFIG.specs()
     assert only.specs(bounded=True)[0].bits == 6
+
+
+def test_the_default_follows_the_models_layout(capsys):
+    """No bits flag: a model with a bounded layer gets the hybrid default, one
+    whose layers all hold the whole context 4-bit keys and values with
+    rotation; `--max-kv-size` bounds every layer; bits flags are the user's."""
+    nowhere = ModelSource("not-on-disk", "test")
+    full, hybrid = tiny_model("llama"), tiny_model("gemma3_text")
+    assert kv_setting(_args(), nowhere, full) == DEFAULT_FULL_KV_CONFIG
+    assert kv_setting(_args(), nowhere, hybrid) == DEFAULT_KV_CONFIG
+    assert kv_setting(_args(), nowhere) == DEFAULT_KV_CONFIG  # not loaded yet: no layout known
+    bounded = kv_setting(_args("--max-kv-size", "64"), nowhere, full)
+    assert bounded == DEFAULT_KV_CONFIG.with_(max_kv_size=64)
+    assert kv_setting(_args("--kv-bits", "4"), nowhere, full) == kv_config(_args("--kv-bits", "4"))
+    only = kv_setting(_args("--kv-window-bits", "6", "--kv-rotation", "none"), nowhere, full)
+    assert only == DEFAULT_FULL_KV_CONFIG.with_(window_bits=6, rotation="none")
+    held = plan_kv(full, DEFAULT_FULL_KV_CONFIG).bytes_per_token
+    assert held == plan_kv(full, DEFAULT_KV_CONFIG).bytes_per_token * 9 // 8  # 4.5 vs 4 bits
+    for model, want in (("demo:full", "K 4b/g64+rot V 4b/g64+rot,"),
+                        ("demo:gemma", "K 4b/g64+rot V 3b/g64+rot, windows 8b/g64+rot,")):  # fmt: skip
+        assert main(["plan", "--model", model]) == 0
+        assert want in capsys.readouterr().out.splitlines()[0]
 
 
 def test_batch_forms_keep_each_kinds_width():

@@ -79,6 +79,9 @@ class BlockPool:
         self.values: Store | None = None
         self.refs: list[int] = []
         self._free: list[int] = []
+        # bumped whenever a freed block may hold other tokens or move (allocation,
+        # compaction, storage released): a remembered table of freed blocks is stale
+        self.generation = 0
         self._tables: weakref.WeakSet[BlockTable] = weakref.WeakSet()  # to renumber
         self.renumbered = 0  # counts renumberings: arrays of block ids made before are stale
 
@@ -134,6 +137,7 @@ class BlockPool:
             self._grow(k, v)
         block = heapq.heappop(self._free)  # the lowest: used blocks gather at the front
         self.refs[block] = 1
+        self.generation += 1
         return block
 
     def incref(self, blocks: list[int]) -> None:
@@ -152,6 +156,7 @@ class BlockPool:
             self.keys = self.values = None
             self.refs, self._free = [], []
             self.renumbered += 1
+            self.generation += 1
 
     def compact(self) -> None:
         """Give back free blocks once they are more than a growth step (a
@@ -163,6 +168,7 @@ class BlockPool:
         used = [b for b, r in enumerate(self.refs) if r]
         if len(self.refs) - len(used) <= max(self.min_growth, len(used) // 16):
             return
+        self.generation += 1
         if used == list(range(len(used))):  # the free blocks are the tail
             self.keys = self.keys.map(lambda a: mx.array(a[: len(used)]))
             self.values = self.values.map(lambda a: mx.array(a[: len(used)]))
@@ -511,6 +517,7 @@ class KVQPagedFullCache(PagedCache):
         self._limits: list[int] | None = None  # real row ends between prepare and finalize
         self._pad: list[int] | None = None
         self._table_array: _TableArray | None = None
+        self._written: tuple | None = None  # (pool generation, the last write's view rows)
         self.offset = mx.array([], dtype=mx.int32)
 
     def _sync(self) -> None:
@@ -518,6 +525,7 @@ class KVQPagedFullCache(PagedCache):
         array is rebuilt when next needed."""
         self._table_array = None
         self.offset = mx.array([t.length for t in self.tables], dtype=mx.int32)
+        self._written = None
 
     def _tables(self) -> _TableArray:
         ta = self._table_array
@@ -556,6 +564,8 @@ class KVQPagedFullCache(PagedCache):
         # own copy of the tables and the pool's arrays as written now, so blocks
         # go back at once (a prompt chunk's do not wait for the next step).
         self._drop_old()
+        if self.window is not None:
+            self._written = (self.pool.generation, out[0].tables, out[0].bases, out[0].ends)
         return out
 
     def _reserve(self, N: int, k: Store, v: Store) -> tuple[list[int], list[int]]:
@@ -592,6 +602,13 @@ class KVQPagedFullCache(PagedCache):
         return self.pool.view(self._tables().lend(), bases, ends, self.window)
 
     def keys_and_values(self):
+        """The rows as attention receives them. Right after a write, a window row
+        returns the blocks only that write's queries see; until the rows change or
+        the pool hands one of those blocks out again, this is still the last
+        write's view, which KV-shared layers (gemma3n) read after their owner for
+        the same queries."""
+        if self._written is not None and self._written[0] == self.pool.generation:
+            return self.pool.view(*self._written[1:], self.window)
         return self._view([t.length for t in self.tables])
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_):

@@ -427,7 +427,12 @@ class KVQBatchWindowCache(BatchKVQCache):
         linds = mx.arange(offset, offset + N) if offset else rinds
         linds, rinds = linds[:, None], rinds[None]
         mask = (linds >= rinds) & (linds < rinds + window_size)
-        if (trim_size := self._idx - self.max_size + int(N > 1)) > 0:
+        # A chunk first puts a wrapped ring back in time order (every slot
+        # used), then trims: count what it will trim from that, not from the
+        # ring's write position (mlx-lm 0.32's BatchRotatingKVCache does the
+        # latter and hides a padded row's oldest tokens still in the window).
+        used = self._keys.length if N > 1 and self.rotated else self._idx
+        if (trim_size := used - self.max_size + int(N > 1)) > 0:
             left_padding = left_padding - trim_size
         rotated = N == 1 and (self.rotated or self._idx >= self.max_size)
         if rotated:
@@ -455,11 +460,7 @@ class KVQBatchWindowCache(BatchKVQCache):
         self._filter_rows(batch_indices)
 
     def extend(self, other: KVQBatchWindowCache) -> None:
-        if (
-            self._keys is not None
-            and other._keys is not None
-            and (self.rotated != other.rotated or self._idx != other._idx)
-        ):
+        if self.rotated != other.rotated or self._idx != other._idx:
             self._temporal_order()
             other._temporal_order()
         if self._extend_stores(other):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .flags import add_kv_flags, add_model_flag, kv_config
-from .startup import load_model, model_source, refuse_early
+from .startup import kv_setting, load_model, model_source, refuse_early
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,10 +28,11 @@ def run(args: argparse.Namespace) -> int:
     from ..caches import cache_report
     from ..generate import get_plan, save_prompt_cache
 
-    cfg = kv_config(args)
+    kv_config(args)
     source = model_source(args)
-    refuse_early(source, cfg)
+    refuse_early(source, kv_setting(args, source))
     model, tokenizer = load_model(source, args)
+    cfg = kv_setting(args, source, model)
     plan = get_plan(model, cfg) if cfg.enabled else None
     print(plan.summary() if plan else "KV cache: unquantized")
     cache = plan.make_cache() if plan else make_prompt_cache(model, max_kv_size=cfg.max_kv_size)

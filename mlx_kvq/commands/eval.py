@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from .flags import add_kv_flags, add_model_flag, kv_config
+from .startup import kv_setting, model_source
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -58,13 +59,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print a table (or JSON) for the KV setting the flags ask for, one row per text.
 
-    With no bits flag that is the default setting (as `serve` and `generate`
-    use); `--kv-bits 0` evaluates unquantized caches (a null check: KL 0).
+    With no bits flag that is the default setting of the model's layout (as
+    `serve` and `generate` use); `--kv-bits 0` evaluates unquantized caches (a null check: KL 0).
     """
     from ..evaluate import evaluate, format_text_table, load_eval_inputs
 
-    cfg = kv_config(args)
+    kv_config(args)
     model, _, texts = load_eval_inputs(args.model, args.text)
+    cfg = kv_setting(args, model_source(args), model)
     results = []
     for name, (ids, bos) in texts.items():
         r = evaluate(

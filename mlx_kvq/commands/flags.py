@@ -186,11 +186,13 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated cache slots to leave unquantized")  # fmt: skip
 
 
-def kv_config(args: argparse.Namespace) -> KVConfig:
-    """The KV setting the KV flags ask for (raises ValueError for a bad one)."""
+def kv_config(args: argparse.Namespace, bounded: bool = True) -> KVConfig:
+    """The KV setting the KV flags ask for (raises ValueError for a bad one);
+    with no bits flag, the default of a model that has (`bounded`) or has not
+    a bounded layer: `startup.kv_setting` asks the model."""
     w = resolve_widths(
         args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation,
-        args.kv_window_bits,
+        args.kv_window_bits, bounded,
     )  # fmt: skip
     return KVConfig.from_args(
         kv_bits=w.bits, kv_group_size=args.kv_group_size, kv_key_bits=w.key_bits,

@@ -20,7 +20,7 @@ from .flags import (
     check_draft_tokens,
     kv_config,
 )
-from .startup import check_sharding_early, load_model, model_source, refuse_early
+from .startup import check_sharding_early, kv_setting, load_model, model_source, refuse_early
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -83,15 +83,20 @@ def run(args: argparse.Namespace) -> int:
     from ..generate import check_prompt_cache_settings, get_plan, load_prompt_cache, stream_generate
     from ..kernels import native_status
 
-    cfg = kv_config(args)
+    kv_config(args)
     check_draft_tokens(args)
     source = model_source(args)
+    cfg = kv_setting(args, source)
     refuse_early(source, cfg)
     cache, meta = None, {}
     if args.prompt_cache_file:  # read before the weights: a bad file exits 2 at once
         cache, meta = load_prompt_cache(args.prompt_cache_file, return_metadata=True)
         check_prompt_cache_settings(cache, cfg, args.prompt_cache_file)
     model, tokenizer = load_model(source, args)
+    if source.local_config is None:  # the default follows the loaded model's layout
+        cfg = kv_setting(args, source, model)
+        if cache is not None:
+            check_prompt_cache_settings(cache, cfg, args.prompt_cache_file)
     draft = load(args.draft_model)[0] if args.draft_model else None
     plan = get_plan(model, cfg) if cfg.enabled else None
     print(
@@ -157,8 +162,9 @@ def run_ranks(args: argparse.Namespace) -> int:
         if rank == 0:
             print(*a, **kw, flush=True)
 
-    cfg = kv_config(args)
+    kv_config(args)
     source = model_source(args)
+    cfg = kv_setting(args, source)  # from config.json: the same on every rank
     for flag in ("draft_model", "adapter_path"):
         if getattr(args, flag):
             raise ValueError(

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from .flags import add_kv_flags, add_model_flag, kv_config
-from .startup import model_source
+from .startup import kv_setting, model_source
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,11 +23,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..plan import plan_kv
 
-    cfg = kv_config(args)
+    kv_config(args)
     source = model_source(args)
     given = Path(source.location)
     if source.local_config is None and not given.is_file():
         raise FileNotFoundError(f"no config.json at {source.location}")
+    cfg = kv_setting(args, source, given)
     plan = plan_kv(given, cfg)
     estimate = plan.estimate(args.context, args.batch)
     if args.json:

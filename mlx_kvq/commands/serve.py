@@ -37,6 +37,7 @@ from .http_process import DEFAULT_SHUTDOWN_TIMEOUT_S, serve_http
 from .startup import (
     ModelSource,
     check_sharding_early,
+    kv_setting,
     load_model,
     model_source,
     tokenizer_config,
@@ -368,11 +369,12 @@ def run(args: argparse.Namespace) -> int:
     from ..engine import Engine, check_batch_path, warmup_spec
     from ..plan import plan_kv
 
-    kv = kv_config(args)
+    kv_config(args)  # a bad flag fails before the weights are read
     check_numbers(args)
     source = model_source(args)
     model, tokenizer = load_model(source, args)
     try:
+        kv = kv_setting(args, source, model)
         plan = plan_kv(model, kv, batch=True)
         check_batch_path(plan.make_cache, kv, max_batch=plan.max_batch)
         warmup_spec(plan.max_window, kv, plan.max_context)
@@ -435,9 +437,10 @@ def run_ranks(args: argparse.Namespace) -> int:
     rank = world().rank()
     setup_logging(args, rank)
     try:
-        kv = kv_config(args)
+        kv_config(args)
         check_numbers(args)
         source = model_source(args)
+        kv = kv_setting(args, source)  # from config.json: the same on every rank
         for flag in ("draft_model", "adapter_path"):
             if getattr(args, flag):
                 raise ValueError(

@@ -57,6 +57,21 @@ def model_source(args: argparse.Namespace) -> ModelSource:
     return ModelSource(location, served or demo_id or args.model, adapter)
 
 
+def kv_setting(args: argparse.Namespace, source: ModelSource, model: Any = None) -> KVConfig:
+    """The KV setting the flags ask for; with no bits flag, the default of the
+    model's layout (with or without a bounded layer), read from `model` (a
+    loaded model or a config file), else from config.json before the weights
+    where it is on disk (a hub id gets the bounded default until loaded)."""
+    from ..plan import has_bounded_layers
+    from .flags import kv_config
+
+    target = model if model is not None else source.local_config
+    given = (args.kv_bits, args.kv_key_bits, args.kv_value_bits)
+    if target is None or any(b is not None for b in given):
+        return kv_config(args)
+    return kv_config(args, has_bounded_layers(target, args.max_kv_size))
+
+
 def refuse_early(source: ModelSource, kv: KVConfig) -> None:
     """Plan from config.json alone (no weights), so a bad setting stops here."""
     from ..plan import plan_kv

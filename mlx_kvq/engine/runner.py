@@ -35,6 +35,7 @@ from mlx_kvq.caches import (
     paging_refusal,
     unpage_caches,
 )
+from mlx_kvq.config import PAGED_BLOCK_SIZE
 from mlx_kvq.mlx_lm_internals import batch_caches, pending_token
 
 from .scheduler import Sequence
@@ -125,7 +126,7 @@ class RunnerOptions:
     decode_rows: int = 32
     prompt_rows: int = 8
     prefill_step: int = 2048
-    block_size: int | None = 32  # tokens per block of the paged layout (None: padded rows)
+    block_size: int | None = PAGED_BLOCK_SIZE  # tokens per block (None: padded rows)
 
 
 class BatchRunner:
