@@ -19,7 +19,6 @@ import os
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
 from .quant import PagedKV, QuantizedKV
 
@@ -120,16 +119,11 @@ def paged_attention(
     row reads only its own blocks (see `PagedKV`). `sinks`: one logit per
     query head, or None."""
     k, v = keys.pool, values.pool
-    B = len(keys.tables)
-    width = max((len(t) for t in keys.tables), default=0)
-    tables = np.zeros((B, max(1, width)), dtype=np.int32)
-    for i, t in enumerate(keys.tables):
-        tables[i, : len(t)] = t
     has_sinks = sinks is not None
     return _module.paged_attention(
         q, k.data, k.scales, k.biases, v.data, v.scales, v.biases,
-        mx.array(tables), mx.array(np.asarray(keys.bases, dtype=np.int32)),
-        mx.array(np.asarray(keys.ends, dtype=np.int32)),
+        mx.array(keys.tables), mx.array(keys.bases, dtype=mx.int32),
+        mx.array(keys.ends, dtype=mx.int32),
         sinks.reshape(-1) if has_sinks else mx.zeros((1,)),
         L, keys.window or 0, k.bits, k.group_size, v.bits, v.group_size, has_sinks,
     )  # fmt: skip

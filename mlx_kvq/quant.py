@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from .config import QuantSpec
 
@@ -82,25 +83,41 @@ class QuantizedKV:
         return rotate(x) if self.rotated else x
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PagedKV:
     """Keys or values held in fixed-size blocks, as attention receives them.
 
     `pool` is the layer's whole block pool, `(blocks, block_size, heads,
     dim)` (a `QuantizedKV` of packed parts, or a raw array). Row `b` of the
     batch holds the tokens at positions `[bases[b], ends[b])`, slot `j` of
-    them in block `tables[b][j // block_size]`; nothing is laid out per row.
+    them in block `tables[b, j // block_size]`; nothing is laid out per row.
     Its queries are the last positions before `ends[b]`, and they see the
     keys at or before their own position, within `window` positions when a
     window is set (the mask is derived from positions, never padded).
+
+    `tables` is one read-only int32 array `(rows, width)` (entries past a
+    row's blocks are unused): a batch keeps it between steps instead of
+    rebuilding it for every layer call. A sequence of row tables is taken
+    too (and made into one).
     """
 
     pool: QuantizedKV | mx.array
-    tables: tuple[tuple[int, ...], ...]  # block ids per row, oldest first
+    tables: np.ndarray  # (rows, width) block ids per row, oldest first
     bases: tuple[int, ...]  # position of each row's first table slot
     ends: tuple[int, ...]  # tokens each row holds up to (exclusive)
     block_size: int
     window: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tables, np.ndarray):
+            width = max((len(t) for t in self.tables), default=0)
+            rows = np.zeros((len(self.tables), max(1, width)), dtype=np.int32)
+            for i, t in enumerate(self.tables):
+                rows[i, : len(t)] = t
+            rows.flags.writeable = False
+            object.__setattr__(self, "tables", rows)
+        object.__setattr__(self, "bases", tuple(self.bases))
+        object.__setattr__(self, "ends", tuple(self.ends))
 
     @property
     def quantized(self) -> bool:
@@ -111,17 +128,21 @@ class PagedKV:
         return self.quantized and self.pool.rotated
 
     @property
+    def rows(self) -> int:
+        return self.tables.shape[0]
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
         """Logical (rows, heads, longest row, dim); nothing has this shape in memory."""
         _, _, heads, dim = self.pool.shape
         longest = max((e - b for b, e in zip(self.bases, self.ends, strict=True)), default=0)
-        return (len(self.tables), heads, longest, dim)
+        return (self.rows, heads, longest, dim)
 
     def row(self, b: int) -> QuantizedKV | mx.array:
         """Row `b`'s tokens `[bases[b], ends[b])` gathered into `(1, heads, n, dim)`
         (a copy of that row's blocks only)."""
-        ids = mx.array(self.tables[b], dtype=mx.int32)
         n = self.ends[b] - self.bases[b]
+        ids = mx.array(self.tables[b, : -(-n // self.block_size)])
 
         def gather(a: mx.array) -> mx.array:
             g = a[ids]

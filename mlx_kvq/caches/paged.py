@@ -83,6 +83,7 @@ class BlockPool:
         # compaction, storage released): a remembered table of freed blocks is stale
         self.generation = 0
         self._tables: weakref.WeakSet[BlockTable] = weakref.WeakSet()  # to renumber
+        self.renumbered = 0  # counts renumberings: arrays of block ids made before are stale
 
     # -- storage --------------------------------------------------------------
     @property
@@ -154,6 +155,7 @@ class BlockPool:
             # nothing refers to any block: the storage goes
             self.keys = self.values = None
             self.refs, self._free = [], []
+            self.renumbered += 1
             self.generation += 1
 
     def compact(self) -> None:
@@ -177,6 +179,7 @@ class BlockPool:
             new = {b: i for i, b in enumerate(used)}
             for t in list(self._tables):
                 t.ids = [new[b] for b in t.ids]
+            self.renumbered += 1
         self.refs = [self.refs[b] for b in used]
         self._free = []
 
@@ -195,9 +198,7 @@ class BlockPool:
         self.values[ids, pos] = v
 
     def view(self, tables, bases, ends, window: int | None) -> tuple[PagedKV, PagedKV]:
-        """What attention receives for rows with these tables."""
-        tables = tuple(tuple(t) for t in tables)
-        bases, ends = tuple(bases), tuple(ends)
+        """What attention receives for rows with these tables (see `PagedKV`)."""
         return (
             PagedKV(self.keys.fetch(), tables, bases, ends, self.block_size, window),
             PagedKV(self.values.fetch(), tables, bases, ends, self.block_size, window),
@@ -233,8 +234,8 @@ class BlockTable:
         if self.ids:
             self.release()
 
-    def drop_before(self, position: int) -> None:
-        """Return the blocks holding only tokens before `position`."""
+    def drop_before(self, position: int) -> int:
+        """Return the blocks holding only tokens before `position`; how many."""
         bs = self.pool.block_size
         n = max(0, position // bs - self.base // bs)
         n = min(n, len(self.ids))
@@ -242,6 +243,7 @@ class BlockTable:
             dropped, self.ids = self.ids[:n], self.ids[n:]
             self.base += n * bs
             self.pool.decref(dropped)
+        return n
 
     def trim(self, n: int) -> int:
         """Forget the last `n` tokens (never before `base`); returns how many."""
@@ -413,9 +415,7 @@ class KVQPagedSequence(PagedCache):
         t = self.table
         parts = []
         for store in (self.pool.keys, self.pool.values):
-            view = PagedKV(
-                store.fetch(), (tuple(t.ids),), (t.base,), (t.length,), self.pool.block_size
-            )
+            view = PagedKV(store.fetch(), (t.ids,), (t.base,), (t.length,), self.pool.block_size)
             row = view.row(0)
             parts.append(
                 Store((row.data, row.scales, row.biases) if view.quantized else (row,), store.spec)
@@ -469,6 +469,42 @@ class KVQPagedWindowSequence(KVQPagedSequence):
         return self.window
 
 
+class _TableArray:
+    """A batch's block tables as one int32 array `(rows, width)`: what attention
+    reads, built once and kept in step with the `BlockTable`s (which stay the
+    truth: references, copy on write, renumbering). A row is copied in again
+    only when its blocks change (a new block, a copy on write, a window's
+    blocks going back); a step that only appends tokens changes nothing here.
+    Views share the array until the next change, which copies it first."""
+
+    __slots__ = ("ids", "lent", "renumbered")
+
+    def __init__(self, tables: list[BlockTable], renumbered: int):
+        width = max((len(t.ids) for t in tables), default=0)
+        self.renumbered = renumbered
+        self.ids = np.zeros((len(tables), width + 8), dtype=np.int32)
+        self.lent = False
+        for i, t in enumerate(tables):
+            self.ids[i, : len(t.ids)] = t.ids
+
+    def set_row(self, i: int, t: BlockTable) -> None:
+        n = len(t.ids)
+        if self.lent or n > self.ids.shape[1]:
+            width = max(self.ids.shape[1], n + n // 4 + 8)
+            ids = np.zeros((self.ids.shape[0], width), dtype=np.int32)
+            ids[:, : self.ids.shape[1]] = self.ids
+            self.ids, self.lent = ids, False
+        self.ids[i, :n] = t.ids
+        self.ids[i, n:] = 0
+
+    def lend(self) -> np.ndarray:
+        """The array, read-only, for views made now."""
+        self.lent = True
+        out = self.ids.view()
+        out.flags.writeable = False
+        return out
+
+
 class KVQPagedFullCache(PagedCache):
     """A batch of full-attention rows over one pool; see the module docstring."""
 
@@ -480,12 +516,22 @@ class KVQPagedFullCache(PagedCache):
         self.tables: list[BlockTable] = []
         self._limits: list[int] | None = None  # real row ends between prepare and finalize
         self._pad: list[int] | None = None
+        self._table_array: _TableArray | None = None
         self._written: tuple | None = None  # (pool generation, the last write's view rows)
         self.offset = mx.array([], dtype=mx.int32)
 
     def _sync(self) -> None:
+        """After the tables changed shape (rows in or out, trimmed): the table
+        array is rebuilt when next needed."""
+        self._table_array = None
         self.offset = mx.array([t.length for t in self.tables], dtype=mx.int32)
         self._written = None
+
+    def _tables(self) -> _TableArray:
+        ta = self._table_array
+        if ta is None or ta.renumbered != self.pool.renumbered:
+            ta = self._table_array = _TableArray(self.tables, self.pool.renumbered)
+        return ta
 
     def _after_copy(self) -> None:
         self._sync()
@@ -496,7 +542,8 @@ class KVQPagedFullCache(PagedCache):
             return
         for i, t in enumerate(self.tables):
             end = t.length if self._limits is None else min(t.length, self._limits[i])
-            t.drop_before(end - self.window + 1)
+            if t.drop_before(end - self.window + 1) and self._table_array is not None:
+                self._table_array.set_row(i, t)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, _, N, _ = keys.shape
@@ -504,18 +551,15 @@ class KVQPagedFullCache(PagedCache):
             raise ValueError(f"paged batch has {len(self.tables)} rows, got {B}")
         self._drop_old()
         k, v = self.pool.encode(keys, values)
-        blocks, slots = [], []
-        for t in self.tables:
-            b, s = t.reserve(N, k, v)
-            blocks += b
-            slots += s
+        blocks, slots = self._reserve(N, k, v)
 
         def tokens(a: mx.array) -> mx.array:
             return a.transpose(0, 2, 1, 3).reshape(B * N, a.shape[1], a.shape[-1])
 
         self.pool.write(blocks, slots, k.map(tokens), v.map(tokens))
-        self._sync()
-        out = self.keys_and_values()
+        ends = [t.length for t in self.tables]
+        self.offset = mx.array(ends, dtype=mx.int32)
+        out = self._view(ends)
         # A window keeps only what its next query sees: the view above holds its
         # own copy of the tables and the pool's arrays as written now, so blocks
         # go back at once (a prompt chunk's do not wait for the next step).
@@ -523,6 +567,39 @@ class KVQPagedFullCache(PagedCache):
         if self.window is not None:
             self._written = (self.pool.generation, out[0].tables, out[0].bases, out[0].ends)
         return out
+
+    def _reserve(self, N: int, k: Store, v: Store) -> tuple[list[int], list[int]]:
+        """Blocks and slots for every row's next `N` tokens, row after row. A
+        decode step (one token) only reads each row's last block and moves its
+        length, unless the row needs a new block or writes into a shared one
+        (then its table's `reserve` allocates or copies on write); the table
+        array changes only for those rows."""
+        if N != 1:
+            blocks, slots = [], []
+            for t in self.tables:
+                b, s = t.reserve(N, k, v)
+                blocks += b
+                slots += s
+            self._table_array = None
+            return blocks, slots
+        ta = self._tables()
+        refs = self.pool.refs
+        bs = self.pool.block_size
+        blocks, slots = [], []
+        for i, t in enumerate(self.tables):
+            j, slot = divmod(t.length - t.base, bs)
+            if j < len(t.ids) and refs[t.ids[j]] == 1:
+                t.length += 1
+            else:
+                t.reserve(1, k, v)
+                ta.set_row(i, t)
+            blocks.append(t.ids[j])
+            slots.append(slot)
+        return blocks, slots
+
+    def _view(self, ends: list[int]) -> tuple[PagedKV, PagedKV]:
+        bases = [t.base for t in self.tables]
+        return self.pool.view(self._tables().lend(), bases, ends, self.window)
 
     def keys_and_values(self):
         """The rows as attention receives them. Right after a write, a window row
@@ -532,12 +609,7 @@ class KVQPagedFullCache(PagedCache):
         the same queries."""
         if self._written is not None and self._written[0] == self.pool.generation:
             return self.pool.view(*self._written[1:], self.window)
-        return self.pool.view(
-            [t.ids for t in self.tables],
-            [t.base for t in self.tables],
-            [t.length for t in self.tables],
-            self.window,
-        )
+        return self._view([t.length for t in self.tables])
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_):
         """ "causal" (or None for one token): attention derives each row's mask
@@ -593,6 +665,7 @@ class KVQPagedFullCache(PagedCache):
             raise ValueError("paged caches extend only within one pool")
         self.tables += other.tables
         other.tables = []
+        other._sync()
         self._sync()
 
     def extract(self, idx: int) -> KVQPagedSequence:
