@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 
+from ..config import PAGED_BLOCK_SIZE
 from .flags import (
     add_adapter_flag,
     add_draft_flags,
@@ -126,10 +127,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-block-size",
         type=int,
-        default=0,
+        default=PAGED_BLOCK_SIZE,
         help="tokens per block of the paged KV layout (full-attention and sliding-window "
-        "layers held in blocks, shared prompt prefixes held once; 32 is a good size); "
-        "0, the default for now, keeps mlx-lm's left-padded rows",
+        f"layers held in blocks, shared prompt prefixes held once; default {PAGED_BLOCK_SIZE}); "
+        "0 keeps mlx-lm's left-padded rows",
     )
     p.add_argument(
         "--max-queued-requests",

@@ -47,7 +47,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import StopSequences
 
 from mlx_kvq.caches import cache_report, mapped_blocks
-from mlx_kvq.config import KVConfig
+from mlx_kvq.config import PAGED_BLOCK_SIZE, KVConfig
 from mlx_kvq.plan import KV_KINDS, KVPlan
 
 from .budget import (
@@ -127,7 +127,7 @@ class EngineOptions:
     prompt_cache_bytes: int | None = None
     max_context: int | None = None
     kv_cache_memory: int | None = None  # KV memory budget in bytes (None: admit by count only)
-    block_size: int | None = None  # tokens per block of the paged layout (None: padded rows)
+    block_size: int | None = PAGED_BLOCK_SIZE  # tokens per block (None: padded rows)
     max_queued_requests: int | None = None  # waiting requests before a 429 (None: no limit)
     warmup_gate: str | None = None  # warm-up waits until this file exists (tests)
 
