@@ -734,7 +734,7 @@ PRESETS = {
     ),
     # The judge model (demo:full): qwen3, full attention on every layer, Python docs.
     "full": Preset(
-        Qwen3Config, "python-docs", DEMO_DIR / "full", 200, 2, 1024, 10, 2.5e-3, 2,
+        Qwen3Config, "python-docs", DEMO_DIR / "full", 520, 4, 1024, 10, 2.5e-3, 2,
         ("The function returns", "An exception is raised when", "This module provides"),
     ),
 }  # fmt: skip

@@ -53,6 +53,7 @@ specs = st.sampled_from(
         (QuantSpec(8, 64), QuantSpec(4, 32)),
         (QuantSpec(2, 32), QuantSpec(3, 32)),
         (QuantSpec(4, 64, "hadamard"), QuantSpec(6, 64, "hadamard")),
+        (QuantSpec(6, 64, "hadamard"), QuantSpec(5, 64, "hadamard")),  # a default
         (QuantSpec(None), QuantSpec(4)),
         (QuantSpec(None), QuantSpec(None)),
     ]
