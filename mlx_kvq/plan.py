@@ -607,6 +607,14 @@ def plan_kv(
             f"{model_type}: one sequence at a time (its cache positions are one number per "
             "batch, so sequences cannot be padded into one batch, as in mlx-lm)"
         )
+    unused = [p.slot for p in shaped if p.kind == "unused"]
+    if batch and unused:
+        raise UnsupportedKVConfig(
+            f"{model_type}: cache slot {unused[0]} is never written (its attention block was "
+            "replaced), and mlx-lm's batch cache cannot hold a slot that stays empty, so it "
+            "cannot be served with continuous batching (as in mlx_lm.server); use "
+            "`mlx-kvq generate`"
+        )
     plan.shared_layers = max(0, plan.num_model_layers - slots) if _has_kv_sharing(model) else 0
     plan.max_context = _max_context(model)
     if cfg.enabled:

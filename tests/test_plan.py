@@ -121,3 +121,15 @@ def test_max_kv_size_bounds_full_layers_too():
 def test_plan_to_dict_is_json():
     d = plan_kv(_gemma3(), KVConfig(bits=8)).to_dict()
     assert json.loads(json.dumps(d, default=str))["quantized_layers"] == 4
+
+
+def test_a_slot_never_written_is_refused_for_batching_at_plan_time():
+    """nemotron-nas replaces some attention blocks: their cache slots stay
+    empty, which mlx-lm's batch caches cannot carry through a padded prompt
+    batch; one sequence at a time (`generate`) plans and runs."""
+    model = build_model("nemotron-nas")
+    single = plan_kv(model, KVConfig(bits=4))
+    unused = [p.slot for p in single.layers if p.kind == "unused"]
+    assert unused
+    with pytest.raises(UnsupportedKVConfig, match=f"cache slot {unused[0]} is never written"):
+        plan_kv(model, KVConfig(bits=4), batch=True)

@@ -71,6 +71,8 @@ def sweep_one(name: str, bits: int = 4) -> SweepResult:
         result.reason = (
             f"serves {plan.max_batch} sequence at a time (its positions are one per batch)"
         )
+    if any(p.kind == "unused" for p in plan.layers):
+        result.reason = "not served with continuous batching: a cache slot is never written"
     try:
         cache = plan.make_cache()
         logits = archs.run_forward(model, cache=cache, return_logits=True)[1]
