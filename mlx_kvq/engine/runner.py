@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.generate import BatchGenerator, StopSequences
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences, generation_stream
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlx_kvq.caches import (
@@ -156,6 +157,11 @@ class BatchRunner:
         )
 
     def close(self) -> None:
+        """Drop the batch, after the work it queued has run: evaluation left
+        pending on a stream when the process exits aborts it in MLX's
+        teardown ("terminate called without an active exception")."""
+        mx.synchronize(generation_stream)
+        mx.synchronize()
         self._bg = None
         self.rows.clear()
         if self.lane is not None:
