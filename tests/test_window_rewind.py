@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mlx_kvq.caches import KVQWindowCache
@@ -51,6 +51,12 @@ def window(max_size: int, keep: int, bits: int | None) -> KVQWindowCache:
     ops=st.lists(
         st.tuples(st.integers(1, 5), st.booleans(), st.integers(0, 5)), min_size=1, max_size=12
     ),
+)
+@example(  # rewound past the held tokens into the evicted ones, sinks kept
+    max_size=6, keep=2, bits=None, depth=5, ops=[(1, False, 0), (1, False, 0), (5, True, 5)]
+)
+@example(  # a chunk left the buffer over the window: it is not evicted by a rewind
+    max_size=6, keep=2, bits=None, depth=1, ops=[(1, False, 0)] * 4 + [(5, False, 1)]
 )
 def test_rewind_matches_a_window_fed_only_the_surviving_tokens(max_size, keep, bits, depth, ops):
     c = window(max_size, keep, bits)

@@ -223,30 +223,41 @@ class KVQWindowCache(KVQCache):
         self._evicted = (k, v)
 
     def _rewind(self, n: int) -> None:
-        """Forget the last `n` tokens: the ring in temporal order without them,
-        refilled with the tokens they evicted, as it was before them."""
+        """Forget the last `n` tokens: the sinks, then the window refilled from
+        the tokens it evicted, as it was before them. After the sinks it knows
+        one run of tokens ending at `offset`: the evicted ones, then the held."""
         k, v = self._temporal_order(self._keys), self._temporal_order(self._values)
-        if k.length < n:
+        sinks = min(self.keep, k.length)
+        held = k.length - sinks
+        have = 0 if self._evicted is None else self._evicted[0].length
+        if n > held + have + sinks:
             raise RuntimeError(f"sliding window cannot rewind {n} tokens: it holds {k.length}")
-        k, v = k[..., : k.length - n, :], v[..., : v.length - n, :]
         offset = self.offset - n
-        missing = min(offset, self.max_size) - k.length
-        if missing > 0:
-            have = 0 if self._evicted is None else self._evicted[0].length
-            if have < missing:
-                raise RuntimeError(
-                    f"sliding window cannot rewind {n} tokens: it kept {have} evicted "
-                    f"tokens of the {missing} needed (set_rewind({self.rewind}))"
-                )
+        kept_sinks = min(sinks, offset)
+        held_kept = max(0, held - n)
+        evicted_kept = max(0, have - max(0, n - held))
+        pull = max(0, min(offset, self.max_size) - kept_sinks - held_kept)
+        if pull > evicted_kept:
+            raise RuntimeError(
+                f"sliding window cannot rewind {n} tokens: it kept {have} evicted "
+                f"tokens, too few (set_rewind({self.rewind}))"
+            )
+        ks, vs = [k[..., :kept_sinks, :]], [v[..., :kept_sinks, :]]
+        if pull:
             ek, ev = self._evicted
-            keep = min(self.keep, k.length)
-            k = Store.concat([k[..., :keep, :], ek[..., -missing:, :], k[..., keep:, :]])
-            v = Store.concat([v[..., :keep, :], ev[..., -missing:, :], v[..., keep:, :]])
-            rest = have - missing
-            self._evicted = (ek[..., :rest, :], ev[..., :rest, :]) if rest else None
-        self._keys, self._values = k, v
+            ks.append(ek[..., evicted_kept - pull : evicted_kept, :])
+            vs.append(ev[..., evicted_kept - pull : evicted_kept, :])
+        ks.append(k[..., sinks : sinks + held_kept, :])
+        vs.append(v[..., sinks : sinks + held_kept, :])
+        rest = evicted_kept - pull
+        if rest:
+            ek, ev = self._evicted
+            self._evicted = (ek[..., :rest, :], ev[..., :rest, :])
+        else:
+            self._evicted = None
+        self._keys, self._values = Store.concat(ks), Store.concat(vs)
         self.offset = offset
-        self._idx = k.length
+        self._idx = self._keys.length
 
     def _maybe_convert(self) -> None:
         super()._maybe_convert()
