@@ -76,6 +76,11 @@ class Widths(NamedTuple):
     window_bits: int | None
 
 
+def asks_for_default(bits: int | None, key_bits: int | None, value_bits: int | None) -> bool:
+    """No bits flag given: the default setting applies."""
+    return bits is None and key_bits is None and value_bits is None
+
+
 def resolve_widths(
     bits: int | None,
     key_bits: int | None,
@@ -89,7 +94,7 @@ def resolve_widths(
     when none of the three bits flags was given (0 is passed on: callers
     read it as "unquantized"). `--kv-window-bits` alone keeps the default
     widths and replaces the default's window width."""
-    if bits is None and key_bits is None and value_bits is None:
+    if asks_for_default(bits, key_bits, value_bits):
         d = default_kv_config(bounded)
         return Widths(
             d.bits, d.key_bits, d.value_bits, rotation or d.rotation,

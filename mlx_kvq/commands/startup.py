@@ -62,12 +62,12 @@ def kv_setting(args: argparse.Namespace, source: ModelSource, model: Any = None)
     model's layout (with or without a bounded layer), read from `model` (a
     loaded model or a config file), else from config.json before the weights
     where it is on disk (a hub id gets the bounded default until loaded)."""
+    from ..defaults import asks_for_default
     from ..plan import has_bounded_layers
     from .flags import kv_config
 
     target = model if model is not None else source.local_config
-    given = (args.kv_bits, args.kv_key_bits, args.kv_value_bits)
-    if target is None or any(b is not None for b in given):
+    if target is None or not asks_for_default(args.kv_bits, args.kv_key_bits, args.kv_value_bits):
         return kv_config(args)
     return kv_config(args, has_bounded_layers(target, args.max_kv_size))
 
