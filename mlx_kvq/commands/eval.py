@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .flags import add_kv_flags, add_model_flag, kv_config
+from .flags import add_dtype_flag, add_kv_flags, add_model_flag, kv_config
 from .startup import kv_setting, model_source
 
 
@@ -16,6 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("eval", help="perplexity/KL/top-1 against unquantized caches")
     add_model_flag(p)
+    add_dtype_flag(p)
     p.add_argument(
         "--text",
         type=Path,
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from ..evaluate import evaluate, format_text_table, load_eval_inputs
 
     kv_config(args)
-    model, _, texts = load_eval_inputs(args.model, args.text)
+    model, _, texts = load_eval_inputs(args.model, args.text, args.dtype)
     cfg = kv_setting(args, model_source(args), model)
     results = []
     for name, (ids, bos) in texts.items():

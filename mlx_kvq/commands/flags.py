@@ -76,6 +76,20 @@ def add_model_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
+    """`--dtype`: what the loaded weights compute in (`mlx_kvq.compute`)."""
+    from ..compute import DTYPES
+
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="dtype of the weights' floats; auto: float32 on MLX's CPU backend for a "
+        "float16/bfloat16 model (its half-precision products skip the BLAS, about 20x "
+        "slower), the model's own elsewhere",
+    )
+
+
 def add_adapter_flag(parser: argparse.ArgumentParser) -> None:
     """mlx-lm's `--adapter-path`: LoRA/DoRA/full fine-tune weights applied at load."""
     parser.add_argument(

@@ -15,6 +15,7 @@ import sys
 from .flags import (
     add_adapter_flag,
     add_draft_flags,
+    add_dtype_flag,
     add_kv_flags,
     add_model_flag,
     check_draft_tokens,
@@ -26,6 +27,7 @@ from .startup import (
     load_model,
     model_directory,
     model_source,
+    prepare_compute,
     refuse_early,
 )
 
@@ -35,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "generate", help="generate text like mlx_lm.generate, every KV layer quantized"
     )
     add_model_flag(g)
+    add_dtype_flag(g)
     add_adapter_flag(g)
     g.add_argument("--prompt", "-p", default="And God said", help="the prompt")
     g.add_argument("--max-tokens", "-m", type=int, default=100, help="tokens to generate")
@@ -107,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     draft = None
     if args.draft_model:
         draft = load(model_directory(args.draft_model, "--draft-model")[0])[0]
+        prepare_compute(draft, args)
     plan = get_plan(model, cfg) if cfg.enabled else None
     print(
         plan.table()

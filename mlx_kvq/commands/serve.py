@@ -24,6 +24,7 @@ from ..config import PAGED_BLOCK_SIZE
 from .flags import (
     add_adapter_flag,
     add_draft_flags,
+    add_dtype_flag,
     add_http_flags,
     add_kv_flags,
     add_model_flag,
@@ -42,6 +43,7 @@ from .startup import (
     load_model,
     model_directory,
     model_source,
+    prepare_compute,
     tokenizer_config,
     use_default_chat_template,
 )
@@ -58,6 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """The `serve` flags: mlx_lm.server's names and meanings, plus ours."""
     p = sub.add_parser("serve", help="OpenAI-compatible server")
     add_model_flag(p)
+    add_dtype_flag(p)
     add_adapter_flag(p)
     add_draft_flags(p)
     p.add_argument(
@@ -410,6 +413,7 @@ def load_draft(args: argparse.Namespace, model, tokenizer, plan, kv):
 
     try:
         draft_model, draft_tokenizer = load(model_directory(args.draft_model, "--draft-model")[0])
+        prepare_compute(draft_model, args)
     except Exception as e:  # noqa: BLE001 - any load failure is a bad --draft-model
         raise ValueError(
             f"could not load the draft model from {args.draft_model}: {type(e).__name__}: {e}"
