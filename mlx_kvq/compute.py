@@ -25,6 +25,7 @@ import mlx.nn as nn
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DENSE_ROWS = 32  # rows from which dequantize + BLAS beats MLX's CPU quantized product
+VOCAB_CHUNK = 32768  # vocabulary rows of a tied output layer dequantized at once
 _HALF = (mx.float16, mx.bfloat16)
 
 
@@ -45,6 +46,29 @@ class BatchDenseQuantizedLinear(nn.QuantizedLinear):
         )
         y = x @ weight.T
         return y + self["bias"] if "bias" in self else y
+
+
+class BatchDenseQuantizedEmbedding(nn.QuantizedEmbedding):
+    """`nn.QuantizedEmbedding` whose `as_linear` (a tied output layer) takes
+    `DENSE_ROWS` rows or more through the BLAS, `VOCAB_CHUNK` vocabulary rows
+    dequantized at a time (a 262,144-token vocabulary in float32 is 0.7 GB)."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if math.prod(x.shape[:-1]) < DENSE_ROWS or self.mode != "affine":
+            return super().as_linear(x)
+        biases = self.get("biases")
+        parts = []
+        for start in range(0, self["weight"].shape[0], VOCAB_CHUNK):
+            rows = slice(start, start + VOCAB_CHUNK)
+            weight = mx.dequantize(
+                self["weight"][rows],
+                self["scales"][rows].astype(x.dtype),
+                None if biases is None else biases[rows].astype(x.dtype),
+                group_size=self.group_size,
+                bits=self.bits,
+            )
+            parts.append(x @ weight.T)
+        return mx.concatenate(parts, axis=-1)
 
 
 @dataclass(frozen=True)
@@ -72,6 +96,12 @@ class CpuCompute:
         return "CPU backend: " + "; ".join(parts) if parts else None
 
 
+_BATCH_DENSE = {
+    nn.QuantizedLinear: BatchDenseQuantizedLinear,
+    nn.QuantizedEmbedding: BatchDenseQuantizedEmbedding,
+}
+
+
 def _half_dtype(model: nn.Module) -> mx.Dtype | None:
     for _, p in nn.utils.tree_flatten(model.parameters()):
         if p.dtype in _HALF:
@@ -96,7 +126,8 @@ def prepare(model: nn.Module, dtype: str = "auto") -> CpuCompute:
     layers = 0
     if on_cpu:
         for _, module in model.named_modules():
-            if type(module) is nn.QuantizedLinear and module.mode == "affine":
-                module.__class__ = BatchDenseQuantizedLinear
+            swap = _BATCH_DENSE.get(type(module))
+            if swap is not None and module.mode == "affine":
+                module.__class__ = swap
                 layers += 1
     return CpuCompute(cast_from, layers)

@@ -9,7 +9,12 @@ import mlx.nn as nn
 import pytest
 from kvq_testing.archs import build_model as tiny_model
 
-from mlx_kvq.compute import DENSE_ROWS, BatchDenseQuantizedLinear, prepare
+from mlx_kvq.compute import (
+    DENSE_ROWS,
+    BatchDenseQuantizedEmbedding,
+    BatchDenseQuantizedLinear,
+    prepare,
+)
 
 
 def _dtypes(model) -> set:
@@ -55,11 +60,26 @@ def test_quantized_layers_take_batches_through_the_dense_product():
     reference.update(model.parameters())
     done = prepare(model)
     linears = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
-    assert done.dense_batch_layers == len(linears) > 0
+    embeddings = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedEmbedding)]
+    assert done.dense_batch_layers == len(linears) + len(embeddings) > 1
     assert all(type(m) is BatchDenseQuantizedLinear for m in linears)
+    assert all(type(m) is BatchDenseQuantizedEmbedding for m in embeddings)
     assert "weights stay packed" in done.line()
     short = mx.array([[3] * (DENSE_ROWS - 1)])
     assert mx.array_equal(model(short), reference(short))  # decode: the packed product
     long = mx.array([list(range(1, DENSE_ROWS + 9))])
     got, want = model(long), reference(long)
     assert mx.abs(got - want).max().item() < 1e-3 * mx.abs(want).max().item()
+
+
+def test_tied_output_layer_takes_batches_in_vocabulary_chunks(monkeypatch):
+    import mlx_kvq.compute as compute
+
+    monkeypatch.setattr(compute, "VOCAB_CHUNK", 48)  # several chunks on a tiny vocabulary
+    emb = nn.Embedding(200, 64)
+    q = nn.QuantizedEmbedding.from_embedding(emb, group_size=32, bits=4)
+    want = q.as_linear(mx.ones((1, DENSE_ROWS, 64)))
+    q.__class__ = BatchDenseQuantizedEmbedding
+    got = q.as_linear(mx.ones((1, DENSE_ROWS, 64)))
+    assert got.shape == want.shape == (1, DENSE_ROWS, 200)
+    assert mx.abs(got - want).max().item() < 1e-4 * mx.abs(want).max().item()
