@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
+from typing import Annotated
 
 import pytest
+from pydantic import Field
 
+from mlx_kvq.sampling_params import SamplingError, SamplingParams
 from mlx_kvq.server import anthropic as A
 from mlx_kvq.server import anthropic_schemas as AS
 from mlx_kvq.server import responses as R
 from mlx_kvq.server import responses_schemas as RS
-from mlx_kvq.server.chat_job import Sampling
 from mlx_kvq.server.errors import APIError, anthropic_error_body
 from mlx_kvq.server.request_body import check_model_name
 from mlx_kvq.server.response_store import AgentCounters, ResponseStore
@@ -147,12 +149,18 @@ def test_model_names_checked_only_with_served_model_name():
 
 
 def test_sampling_defaults_come_from_the_server_and_logit_bias_is_checked_once():
-    settings = ServerSettings(model_id="m", max_tokens=77, temperature=0.5)
-    params = Sampling(top_p=0.9).params(settings, vocab_size=10)
+    defaults = SamplingParams(max_tokens=77, temperature=0.5)
+    body = RS.ResponsesRequest.model_validate({"model": "m", "input": "hi", "top_p": 0.9})
+    params = body.to_sampling_params(defaults)
     assert (params.max_tokens, params.temperature, params.top_p) == (77, 0.5, 0.9)
     assert params.repetition_context_size == 20  # SamplingParams' own default
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        Sampling(logit_bias=((10, 1.0),)).params(settings, vocab_size=10)
+    user = [{"role": "user", "content": "hi"}]
+    bias = messages_body(messages=user).to_sampling_params(defaults)
+    bias = bias.updated(logit_bias=((10, 1.0),))
+    bias.check_vocabulary(11)
+    with pytest.raises(SamplingError, match="outside the vocabulary") as e:
+        bias.check_vocabulary(10)
+    assert e.value.field == "logit_bias"
 
 
 def test_opaque_reasoning_round_trip():
@@ -215,3 +223,29 @@ def test_anthropic_prefill_is_refused():
                                    {"role": "assistant", "content": "The answer is"}])  # fmt: skip
     with pytest.raises(A.Refusal, match="prefill"):
         A.to_job(body, SimpleNamespace(reads=lambda name: False))
+
+
+def test_a_sampling_field_declared_in_a_schema_reaches_the_sampler():
+    """Anthropic's Messages API has no `min_p`: declaring it in the schema is
+    all an API needs to take a `SamplingParams` field (no translator edit),
+    and the value reaches the engine's sampler."""
+    import mlx.core as mx
+
+    from mlx_kvq.engine.sampling import SamplerPool
+
+    class WithMinP(AS.MessagesRequest):
+        min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+
+    user = [{"role": "user", "content": "hi"}]
+    service = SimpleNamespace(settings=ServerSettings(model_id="m"), reads=lambda _: False)
+    body = WithMinP.model_validate(
+        {"model": "m", "max_tokens": 8, "messages": user, "temperature": 1.0, "min_p": 0.5}
+    )
+    params = A.to_job(body, service).sampling
+    assert (params.min_p, params.temperature, params.max_tokens) == (0.5, 1.0, 8)
+    # token 1 has a third of token 0's probability: min_p 0.5 never draws it
+    logprobs = mx.log(mx.array([[0.6, 0.2, 0.2]]))
+    pool = SamplerPool()
+    draws = {pool.get(params.updated(seed=s))(logprobs).item() for s in range(40)}
+    without = {pool.get(params.updated(seed=s, min_p=0.0))(logprobs).item() for s in range(40)}
+    assert draws == {0} and without == {0, 1, 2}

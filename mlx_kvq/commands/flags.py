@@ -14,6 +14,7 @@ import re
 
 from ..config import ROTATIONS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVConfig
 from ..defaults import resolve_widths
+from ..sampling_params import DEFAULT_MAX_TOKENS, SamplingError, SamplingParams
 from ..speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
@@ -203,28 +204,37 @@ def kv_config(args: argparse.Namespace, bounded: bool = True) -> KVConfig:
     )  # fmt: skip
 
 
-def add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    """mlx-lm's sampling flags (defaults for every request of a server)."""
-    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus top-p")
-    parser.add_argument("--top-k", type=int, default=0, help="top-k (0: off)")
-    parser.add_argument("--min-p", type=float, default=0.0, help="min-p (0: off)")
+# The sampling flags: (flag, SamplingParams field, type, help); each defaults
+# to that field's default, mlx-lm's.
+SAMPLING_FLAGS = (
+    ("--temp", "temperature", float, "sampling temperature (0: greedy)"),
+    ("--top-p", "top_p", float, "nucleus top-p"),
+    ("--top-k", "top_k", int, "top-k (0: off)"),
+    ("--min-p", "min_p", float, "min-p (0: off)"),
+)
+
+
+def add_sampling_flags(
+    parser: argparse.ArgumentParser, max_tokens: int = DEFAULT_MAX_TOKENS
+) -> None:
+    """mlx-lm's sampling flags (for a server, the defaults of every request)."""
+    defaults = SamplingParams()
+    for flag, name, kind, text in SAMPLING_FLAGS:
+        default = getattr(defaults, name)
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
     parser.add_argument("--max-tokens", "-m", type=int, default=max_tokens,
                         help=f"maximum tokens to generate (default: {max_tokens})")  # fmt: skip
 
 
-def check_sampling(args: argparse.Namespace) -> None:
-    """Refuse sampling defaults no request could use."""
-    if args.max_tokens < 1:
-        raise ValueError("--max-tokens must be at least 1")
-    if args.temp < 0:
-        raise ValueError("--temp must be >= 0")
-    if not 0 < args.top_p <= 1:
-        raise ValueError("--top-p must be in (0, 1]")
-    if args.top_k < 0:
-        raise ValueError("--top-k must be >= 0")
-    if not 0 <= args.min_p <= 1:
-        raise ValueError("--min-p must be in [0, 1]")
+def sampling_defaults(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as `SamplingParams`; a value no sampler can use is a
+    ValueError naming the flag (exit 2)."""
+    given = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in SAMPLING_FLAGS}
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, **given)
+    except SamplingError as e:
+        flag = next((f for f, n, _, _ in SAMPLING_FLAGS if n == e.field), "--max-tokens")
+        raise ValueError(f"{flag} {e.message}") from None
 
 
 def _names(text: str) -> list[str]:

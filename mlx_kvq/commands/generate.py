@@ -17,10 +17,14 @@ from .flags import (
     add_draft_flags,
     add_kv_flags,
     add_model_flag,
+    add_sampling_flags,
     check_draft_tokens,
     kv_config,
+    sampling_defaults,
 )
 from .startup import check_sharding_early, kv_setting, load_model, model_source, refuse_early
+
+GENERATE_MAX_TOKENS = 100  # mlx_lm.generate's --max-tokens
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,9 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_flag(g)
     add_adapter_flag(g)
     g.add_argument("--prompt", "-p", default="And God said", help="the prompt")
-    g.add_argument("--max-tokens", "-m", type=int, default=100, help="tokens to generate")
-    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus top-p")
+    add_sampling_flags(g, max_tokens=GENERATE_MAX_TOKENS)
     g.add_argument("--seed", type=int, default=None, help="random seed")
     g.add_argument(
         "--ignore-chat-template",
@@ -68,6 +70,14 @@ def prompt_tokens(tokenizer, args: argparse.Namespace, continuing: bool = False)
     return tokenizer.encode(prompt, add_special_tokens=not continuing and not use_template)
 
 
+def sampler(args: argparse.Namespace):
+    """mlx-lm's sampler for the sampling flags (a bad value exits 2 before loading)."""
+    from mlx_lm.sample_utils import make_sampler
+
+    p = sampling_defaults(args)
+    return make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..distributed.group import launched
 
@@ -76,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.sample_utils import make_sampler
 
     from ..blas import blas_info
     from ..caches import cache_report
@@ -85,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
     kv_config(args)
     check_draft_tokens(args)
+    sample = sampler(args)
     source = model_source(args)
     cfg = kv_setting(args, source)
     refuse_early(source, cfg)
@@ -111,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if cache is None and draft is None:
         cache = plan.make_cache() if plan is not None else make_prompt_cache(model, cfg.max_kv_size)
 
-    kwargs = dict(max_tokens=args.max_tokens, sampler=make_sampler(args.temp, args.top_p),
+    kwargs = dict(max_tokens=args.max_tokens, sampler=sample,
                   prompt_cache=cache, **cfg.as_kwargs())  # fmt: skip
     if draft is not None:
         kwargs["num_draft_tokens"] = args.num_draft_tokens
@@ -147,7 +157,6 @@ def run(args: argparse.Namespace) -> int:
 def run_ranks(args: argparse.Namespace) -> int:
     """One rank of an `mlx.launch` group (see the module docstring)."""
     from mlx_lm.models import cache as mlx_cache
-    from mlx_lm.sample_utils import make_sampler
 
     from ..config import UnsupportedKVConfig
     from ..distributed.group import gather_json, world
@@ -163,6 +172,7 @@ def run_ranks(args: argparse.Namespace) -> int:
             print(*a, **kw, flush=True)
 
     kv_config(args)
+    sample = sampler(args)
     source = model_source(args)
     cfg = kv_setting(args, source)  # from config.json: the same on every rank
     for flag in ("draft_model", "adapter_path"):
@@ -208,7 +218,7 @@ def run_ranks(args: argparse.Namespace) -> int:
     tokens = prompt_tokens(tokenizer, args)
     response = None
     for response in stream_generate(model, tokenizer, tokens, max_tokens=args.max_tokens,
-                                    sampler=make_sampler(args.temp, args.top_p),
+                                    sampler=sample,
                                     prompt_cache=cache):  # fmt: skip
         say(response.text, end="")
     say()

@@ -29,10 +29,10 @@ from .flags import (
     add_model_flag,
     add_sampling_flags,
     check_draft_tokens,
-    check_sampling,
     json_object,
     kv_config,
     parse_size,
+    sampling_defaults,
 )
 from .http_process import DEFAULT_SHUTDOWN_TIMEOUT_S, serve_http
 from .startup import (
@@ -85,7 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default={},
         help="JSON object of apply_chat_template arguments, e.g. '{\"enable_thinking\":false}'",
     )
-    add_sampling_flags(p, max_tokens=512)
+    add_sampling_flags(p)
     add_http_flags(p)
     p.add_argument(
         "--decode-concurrency",
@@ -188,7 +188,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     """Refuse flag values no server could run with (exit 2 before loading)."""
     from ..server.schemas import check_template_kwargs
 
-    check_sampling(args)
+    sampling_defaults(args)
     check_draft_tokens(args)
     for name in ("decode_concurrency", "prompt_concurrency", "prefill_step_size"):
         if getattr(args, name) < 1:
@@ -311,11 +311,7 @@ def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_bytes=args.max_request_bytes,
         response_store_bytes=args.response_store_bytes,
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
+        sampling=sampling_defaults(args),
         chat_template_args=dict(args.chat_template_args),
         adapter_path=source.adapter_path,
         draft_model=args.draft_model,

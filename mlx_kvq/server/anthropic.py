@@ -38,7 +38,6 @@ from .chat_job import (
     Part,
     PartKind,
     Refusal,
-    Sampling,
     StopReason,
     Waiting,
 )
@@ -164,24 +163,13 @@ def to_job(body: S.CountTokensRequest, service: ChatService) -> ChatJob:
             "messages",
         )
     parse = tools_parsed(body.tool_choice)
-    sampling = Sampling()
-    stream = False
-    if isinstance(body, S.MessagesRequest):
-        sampling = Sampling(
-            max_tokens=body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            stop=tuple(s for s in body.stop_sequences or () if s),
-        )
-        stream = body.stream
     return ChatJob(
         messages=template_messages(body),
-        sampling=sampling,
+        sampling=body.to_sampling_params(service.settings.sampling),
         tools=template_tools(body.tools) if parse else None,
         parse_tools=parse,
         template_args=template_args(body, service),
-        stream=stream,
+        stream=isinstance(body, S.MessagesRequest) and body.stream,
     )
 
 

@@ -14,6 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mlx_kvq.sampling_params import SamplingParams
+
+from .chat_job import sampling_params
 from .fields import FieldDoc, Treatment
 
 H, A, R, IG = Treatment.HONOURED, Treatment.APPROXIMATE, Treatment.REFUSED, Treatment.IGNORED
@@ -155,6 +158,10 @@ class CountTokensRequest(BaseModel):
             raise ValueError("MCP servers are run by Anthropic's API; this server has none")
         return value
 
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        """This body's sampling: the server's `defaults` with the fields it sets."""
+        return sampling_params(self, defaults)
+
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: Annotated[int, Field(ge=1)]
@@ -178,6 +185,10 @@ class MessagesRequest(CountTokensRequest):
         if value is not None:
             raise ValueError("code-execution containers are not supported by this server")
         return value
+
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        stop = tuple(s for s in self.stop_sequences or () if s)
+        return sampling_params(self, defaults, stop=stop or None)
 
 
 MESSAGES_FIELDS = {

@@ -3,7 +3,7 @@
 OpenAI's chat completions (`openai_chat.py`), Anthropic's Messages
 (`anthropic.py`) and OpenAI's Responses (`responses.py`) translate their
 bodies into a `ChatJob` (chat-template messages, tools, template arguments,
-`Sampling`; completions use `Sampling` alone). The two agent APIs read the
+the engine's `SamplingParams`; completions use those alone). The two agent APIs read the
 answer back as `Part`s: reasoning text, answer text and parsed tool calls
 in the order the model wrote them, then one `Finished` with the stop reason
 and usage; chat completions read the same `Answer`'s engine events and
@@ -13,9 +13,9 @@ splitter directly, for their per-token logprobs.
 context checked), the engine request, and mlx-lm's splitting of the
 answer (`chat_output.py`). A new API is one more translator.
 
-`Sampling.params` holds the defaults: fields left out take the server's
-flags (`--max-tokens`, `--temp`, ...) or `SamplingParams`' own (the
-penalties, XTC), and each value is checked there once.
+`sampling_params` builds a request's `SamplingParams` from the server's
+defaults (`ServerSettings.sampling`, built from the flags) and the fields
+the body sets; `SamplingParams` holds every default and checks every value.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from enum import Enum
 from typing import Any
 
 from fastapi import Request
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from mlx_kvq.engine import (
@@ -35,6 +36,7 @@ from mlx_kvq.engine import (
     GenerationRequest,
     Outcome,
     PromptProgress,
+    SamplingError,
     SamplingParams,
     TokenEvent,
     Usage,
@@ -50,47 +52,6 @@ from .settings import ServerSettings
 from .streams import IDLE, Generation
 from .tools import tools_refusal
 
-# Settings flags that give a `Sampling` field its default (the others: SamplingParams')
-SERVER_DEFAULTS = ("max_tokens", "temperature", "top_p", "top_k", "min_p")
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """What a request asks of the sampler; None takes the default (see the module)."""
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
-    repetition_penalty: float | None = None
-    repetition_context_size: int | None = None
-    presence_penalty: float | None = None
-    presence_context_size: int | None = None
-    frequency_penalty: float | None = None
-    frequency_context_size: int | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    xtc_probability: float | None = None
-    xtc_threshold: float | None = None
-    grammar: str | None = None
-
-    def params(self, settings: ServerSettings, vocab_size: int) -> SamplingParams:
-        """The engine's sampling settings; `ValueError` names a value that cannot be used."""
-        for token, _ in self.logit_bias:
-            if not 0 <= token < vocab_size:
-                raise ValueError(
-                    f"logit_bias: token id {token} is outside the vocabulary (0..{vocab_size - 1})"
-                )
-        given = {f.name: getattr(self, f.name) for f in fields(self)}
-        values = {k: v for k, v in given.items() if v is not None}
-        for name in SERVER_DEFAULTS:
-            values.setdefault(name, getattr(settings, name))
-        return SamplingParams(**values)
-
 
 class Refusal(ValueError):
     """A request value a translator cannot honour; `param` names the field (a 400)."""
@@ -100,13 +61,30 @@ class Refusal(ValueError):
         self.param = param
 
 
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+def sampling_params(body: BaseModel, defaults: SamplingParams, **converted: Any) -> SamplingParams:
+    """A request's `SamplingParams`: `defaults` (the server's) updated with the
+    fields the body's API declares under a `SamplingParams` name, then with
+    `converted` (the API's renamed or reshaped fields, such as Anthropic's
+    `stop_sequences` as `stop`); a value left out (None) keeps the default.
+    An API takes a new sampling field by declaring it in its schema."""
+    declared = type(body).model_fields
+    values = {n: getattr(body, n) for n in SAMPLING_FIELDS if n in declared}
+    try:
+        return defaults.updated(**{**values, **converted})
+    except SamplingError as e:
+        raise Refusal(str(e), e.field) from None
+
+
 @dataclass(frozen=True)
 class ChatJob:
     """A chat to answer: template messages (OpenAI's chat shape, which chat
     templates read), tools in OpenAI's function shape, and how to sample."""
 
     messages: list[dict[str, Any]]
-    sampling: Sampling
+    sampling: SamplingParams
     tools: list[dict[str, Any]] | None = None
     parse_tools: bool = True  # turn the model's tool-call markup into calls
     template_args: dict[str, Any] = field(default_factory=dict)  # over --chat-template-args
@@ -392,12 +370,17 @@ class ChatService:
                 code="context_length_exceeded",
             )
 
-    def params(self, sampling: Sampling) -> SamplingParams:
-        """The engine's sampling settings, or a 400 naming the value that cannot be used."""
+    async def submit(self, request: GenerationRequest) -> Generation:
+        """Hand `request` to the engine; a 400 names a sampling value the model
+        cannot take (a `logit_bias` id outside its vocabulary), an `APIError`
+        is an immediate refusal (queue full, KV budget)."""
         try:
-            return sampling.params(self.settings, self.engine.vocab_size)
-        except ValueError as e:
-            raise self.reject(400, str(e), param="logit_bias") from None
+            request.params.check_vocabulary(self.engine.vocab_size)
+        except SamplingError as e:
+            raise self.reject(400, str(e), param=e.field) from None
+        generation = Generation(self.engine, request)
+        await generation.start()
+        return generation
 
     async def grammar(self, schema: dict[str, Any] | None, prompt: ChatPrompt, param: str) -> str:
         """The llguidance grammar of a JSON answer (matching `schema` when given), or a 400."""
@@ -419,12 +402,10 @@ class ChatService:
 
     async def start(self, job: ChatJob, prompt: ChatPrompt) -> Answer:
         """Submit the job; a refusal (queue full, KV budget) raises `APIError`."""
-        params = self.params(job.sampling)
         request = GenerationRequest(
-            prompt.tokens, params, progress=job.stream, checkpoints=prompt.checkpoints,
+            prompt.tokens, job.sampling, progress=job.stream, checkpoints=prompt.checkpoints,
             draft_tokens=job.draft_tokens,
         )  # fmt: skip
-        generation = Generation(self.engine, request)
-        await generation.start()
+        generation = await self.submit(request)
         output = self.splitter.start(prompt.tokens, job.parse_tools, job.tools, job.stream)
         return Answer(generation, output, job, self.tokenizer)

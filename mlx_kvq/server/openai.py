@@ -30,9 +30,9 @@ from mlx_kvq.engine import (
 from . import schemas
 from .chat_job import ChatService, Refusal
 from .errors import APIError, error_body
-from .openai_chat import chat_job, request_sampling
+from .openai_chat import chat_job
 from .request_body import read_model
-from .streams import IDLE, SSE_DONE, Generation, event_stream, keepalive, sse
+from .streams import IDLE, SSE_DONE, event_stream, keepalive, sse
 from .variants import DEFAULT_MODEL_ALIAS, VariantError, check_adapter, draft_tokens
 
 log = logging.getLogger("mlx_kvq.server")
@@ -145,10 +145,12 @@ def openai_router(service: ChatService, auth: Callable) -> APIRouter:
         prompt = await service.prompts.completion(prompt_input)
         service.check_length(prompt, "prompt")
         want_logprobs = body.want_logprobs
-        params = service.params(request_sampling(body, want_logprobs, body.top_count))
+        try:
+            params = body.to_sampling_params(settings.sampling)
+        except Refusal as e:
+            raise reject(400, str(e), param=e.param) from None
         job = GenerationRequest(prompt, params, progress=body.stream, draft_tokens=drafting(body))
-        generation = Generation(engine, job)
-        await generation.start()
+        generation = await service.submit(job)
         cid, model = schemas.new_id("cmpl"), settings.model_id
 
         def logprobs(events: list[TokenEvent], offset: int = 0) -> dict | None:

@@ -44,7 +44,6 @@ from .chat_job import (
     Part,
     PartKind,
     Refusal,
-    Sampling,
     StopReason,
     Waiting,
 )
@@ -204,9 +203,7 @@ def to_job(
         raise Refusal("input is empty and there is no previous response to continue", "input")
     job = ChatJob(
         messages=leading_system(body.instructions, conversation),
-        sampling=Sampling(
-            max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p
-        ),  # fmt: skip
+        sampling=body.to_sampling_params(service.settings.sampling),
         tools=tools if parse else None,
         parse_tools=parse,
         template_args=template_args(body, service),

@@ -11,6 +11,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
+from mlx_kvq.sampling_params import SamplingParams
+
+from .chat_job import sampling_params
 from .fields import FieldDoc, Treatment
 
 H, A, R, IG = Treatment.HONOURED, Treatment.APPROXIMATE, Treatment.REFUSED, Treatment.IGNORED
@@ -247,6 +250,10 @@ class ResponsesRequest(BaseModel):
         if value is not None:
             raise ValueError(f"{info.field_name} objects of a hosted service are not supported")
         return value
+
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        """This body's sampling: the server's `defaults` with the fields it sets."""
+        return sampling_params(self, defaults, max_tokens=self.max_output_tokens)
 
 
 RESPONSES_FIELDS = {

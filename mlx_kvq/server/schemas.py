@@ -19,7 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from mlx_kvq.engine.requests import TokenEvent, Usage
 from mlx_kvq.mlx_lm_internals import token_bytes
+from mlx_kvq.sampling_params import SamplingParams
 from mlx_kvq.speculative import MAX_DRAFT_TOKENS
+
+from .chat_job import sampling_params
 
 MAX_STOP_STRINGS = 16
 INT64_MAX = 2**63 - 1
@@ -175,6 +178,24 @@ class _Request(BaseModel):
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
+    @property
+    def want_logprobs(self) -> bool:
+        """mlx_lm.server returns top tokens for top_logprobs > 0 even without logprobs."""
+        return bool(self.logprobs) or self.top_count > 0
+
+    @property
+    def top_count(self) -> int:
+        """Alternatives per token (mlx-lm's `top_logprobs: -1` is none)."""
+        return max(self.top_logprobs or 0, 0)
+
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        """This body's sampling: the server's `defaults` with the fields it sets."""
+        return sampling_params(
+            self, defaults, max_tokens=self.token_limit, seed=self.sampling_seed,
+            stop=self.stop_strings or None, logprobs=self.want_logprobs,
+            top_logprobs=self.top_count, logit_bias=self.logit_bias_pairs or None,
+        )  # fmt: skip
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value: str | list[str] | None):
@@ -289,11 +310,6 @@ class ChatCompletionRequest(_Request):
     moderation: Any = None
     functions: Any = None
     function_call: Any = None
-
-    @property
-    def want_logprobs(self) -> bool:
-        """mlx_lm.server returns top tokens for top_logprobs > 0 even without logprobs."""
-        return bool(self.logprobs) or (self.top_logprobs or 0) > 0
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_kvq.sampling_params import SamplingParams
+
 from .guard import GuardPolicy
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
@@ -20,11 +22,7 @@ class ServerSettings:
     names_checked: bool = False  # --served-model-name given: every API checks `model`
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    max_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # --max-tokens, --temp, ...
     chat_template_args: dict[str, Any] = field(default_factory=dict)
     adapter_path: str | None = None  # the adapter the model was loaded with (--adapter-path)
     draft_model: str | None = None  # the draft model speculative decoding uses (--draft-model)
