@@ -12,13 +12,15 @@ import pytest
 from pydantic import Field
 
 from mlx_kvq.sampling_params import SamplingError, SamplingParams
-from mlx_kvq.server import anthropic as A
-from mlx_kvq.server import anthropic_schemas as AS
-from mlx_kvq.server import responses as R
-from mlx_kvq.server import responses_schemas as RS
+from mlx_kvq.server.anthropic import schemas as AS
+from mlx_kvq.server.anthropic import translate as A
+from mlx_kvq.server.chat.job import Refusal
 from mlx_kvq.server.errors import APIError, anthropic_error_body
+from mlx_kvq.server.fields import FIELDS
 from mlx_kvq.server.request_body import check_model_name
-from mlx_kvq.server.response_store import AgentCounters, ResponseStore
+from mlx_kvq.server.responses import schemas as RS
+from mlx_kvq.server.responses import translate as R
+from mlx_kvq.server.responses.store import AgentCounters, ResponseStore
 from mlx_kvq.server.settings import ServerSettings
 
 
@@ -64,7 +66,7 @@ def test_anthropic_tools_and_tool_choice():
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
                                           "description": "d"}}]  # fmt: skip
     assert A.tools_parsed(None) and not A.tools_parsed(AS.ToolChoice(type="none"))
-    with pytest.raises(A.Refusal) as e:
+    with pytest.raises(Refusal) as e:
         A.tools_parsed(AS.ToolChoice(type="any"))
     assert e.value.param == "tool_choice"
 
@@ -77,7 +79,7 @@ def test_anthropic_errors_shape_and_overloaded():
 
 
 def test_responses_items_become_template_messages_and_reasoning_comes_back():
-    opaque = R.opaque("I should call the tool.")
+    opaque = RS.opaque("I should call the tool.")
     body = RS.ResponsesRequest.model_validate({
         "model": "gpt-5", "instructions": "Be brief.",
         "input": [
@@ -130,8 +132,8 @@ def test_response_store_is_capped_in_bytes_oldest_out_first():
 
 
 def test_field_lists_match_the_request_models():
-    assert set(AS.MessagesRequest.model_fields) == set(AS.MESSAGES_FIELDS)
-    assert set(RS.ResponsesRequest.model_fields) == set(RS.RESPONSES_FIELDS)
+    assert set(AS.MessagesRequest.model_fields) == set(FIELDS["messages"])
+    assert set(RS.ResponsesRequest.model_fields) == set(FIELDS["responses"])
     with pytest.raises(ValueError, match="frobnicate"):
         AS.MessagesRequest.model_validate({"model": "m", "max_tokens": 1, "frobnicate": 1,
                                            "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
@@ -164,13 +166,13 @@ def test_sampling_defaults_come_from_the_server_and_logit_bias_is_checked_once()
 
 
 def test_opaque_reasoning_round_trip():
-    value = R.opaque("think ✓")
+    value = RS.opaque("think ✓")
     item = RS.ReasoningItem.model_validate({"type": "reasoning", "encrypted_content": value})
-    assert R.reasoning_of(item) == "think ✓"
+    assert RS.reasoning_of(item) == "think ✓"
     other = RS.ReasoningItem.model_validate({"type": "reasoning", "encrypted_content": "gAAA",
                                              "summary": [{"type": "summary_text",
                                                           "text": "sum"}]})  # fmt: skip
-    assert R.reasoning_of(other) == "sum"
+    assert RS.reasoning_of(other) == "sum"
     assert json.loads(json.dumps(value)) == value
 
 
@@ -182,8 +184,8 @@ def test_docs_list_every_field_with_its_treatment():
     text = (Path(__file__).resolve().parents[1] / "docs" / "agents.md").read_text()
     words = {Treatment.HONOURED: "honoured", Treatment.APPROXIMATE: "approximately",
              Treatment.REFUSED: "400", Treatment.IGNORED: "no effect"}  # fmt: skip
-    for heading, fields in (("`POST /v1/messages` fields", AS.MESSAGES_FIELDS),
-                            ("`POST /v1/responses` fields", RS.RESPONSES_FIELDS)):  # fmt: skip
+    for heading, fields in (("`POST /v1/messages` fields", FIELDS["messages"]),
+                            ("`POST /v1/responses` fields", FIELDS["responses"])):  # fmt: skip
         section = text[text.index(heading) :].split("\n### ")[0]
         rows = {line.split("|")[1].strip().strip("`"): line.split("|")[2].strip()
                 for line in section.splitlines() if line.startswith("| `")}  # fmt: skip
@@ -191,7 +193,7 @@ def test_docs_list_every_field_with_its_treatment():
 
 
 def test_mid_conversation_system_turns_folded_for_templates_that_refuse_them():
-    from mlx_kvq.server.chat_job import fold_system, renders_mid_system
+    from mlx_kvq.server.chat.system_turns import fold_system, renders_mid_system
 
     class Refusing:
         def apply_chat_template(self, messages, **kw):
@@ -221,7 +223,7 @@ def test_mid_conversation_system_turns_folded_for_templates_that_refuse_them():
 def test_anthropic_prefill_is_refused():
     body = messages_body(messages=[{"role": "user", "content": "Hi"},
                                    {"role": "assistant", "content": "The answer is"}])  # fmt: skip
-    with pytest.raises(A.Refusal, match="prefill"):
+    with pytest.raises(Refusal, match="prefill"):
         A.to_job(body, SimpleNamespace(reads=lambda name: False))
 
 

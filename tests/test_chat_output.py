@@ -15,10 +15,11 @@ from kvq_testing.scripted import save_scripted_model
 from mlx_lm.utils import load_tokenizer
 
 from mlx_kvq.engine.prompts import chat_tokens, template_variables
-from mlx_kvq.server.chat_output import OutputSplitter
-from mlx_kvq.server.openai_chat import template_fields
-from mlx_kvq.server.schemas import ChatCompletionRequest, TokenText
-from mlx_kvq.server.tools import ToolChoiceError, tool_policy, tools_refusal
+from mlx_kvq.server.chat.output import OutputSplitter
+from mlx_kvq.server.chat.tools import ToolChoiceError, tool_policy, tools_refusal
+from mlx_kvq.server.openai.bodies import TokenText
+from mlx_kvq.server.openai.schemas import ChatCompletionRequest
+from mlx_kvq.server.openai.translate import template_fields
 
 TOOL_TEXT = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
 CALL = "<tool_call>" + TOOL_TEXT + "</tool_call>"

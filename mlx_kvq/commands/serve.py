@@ -186,7 +186,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Refuse flag values no server could run with (exit 2 before loading)."""
-    from ..server.schemas import check_template_kwargs
+    from ..server.chat.template_args import check_template_kwargs
 
     sampling_defaults(args)
     check_draft_tokens(args)
@@ -302,7 +302,7 @@ def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> 
 
 def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
     """What the HTTP layer needs besides the engine."""
-    from ..server.guard import GuardPolicy
+    from ..server.guards.browser import GuardPolicy
     from ..server.settings import ServerSettings
 
     return ServerSettings(
@@ -326,7 +326,7 @@ def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
 
 def connection_limits(args: argparse.Namespace):
     """The connection bounds of the HTTP flags."""
-    from ..server.connections import ConnectionLimits
+    from ..server.guards.connections import ConnectionLimits
 
     return ConnectionLimits(
         header_timeout=args.header_timeout,

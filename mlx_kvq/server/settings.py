@@ -8,8 +8,9 @@ from typing import Any
 
 from mlx_kvq.sampling_params import SamplingParams
 
-from .guard import GuardPolicy
+from .guards.browser import GuardPolicy
 
+DEFAULT_MODEL_ALIAS = "default_model"  # what clients written for mlx_lm.server send
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_RESPONSE_STORE_BYTES = 64 * 1024 * 1024
 

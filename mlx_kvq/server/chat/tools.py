@@ -4,7 +4,7 @@ the calls the model makes as OpenAI's `tool_calls`.
 The parsing is mlx-lm's: the tokenizer wrapper knows the model's tool-call
 markers (`tool_call_start`/`tool_call_end`) and its parser (one of
 `mlx_lm.tool_parsers`, inferred from the chat template or set by
-`tool_parser_type`); `chat_output.ChatOutput` finds the text between the
+`tool_parser_type`); `output.ChatOutput` finds the text between the
 markers and `ToolCalls` turns it into calls.
 
 `tool_choice`: `"auto"` (the default) renders the tools and parses calls;

@@ -36,7 +36,7 @@ from pydantic import BaseModel
 from mlx_kvq.engine.prompts import chat_tokens, completion_tokens
 from mlx_kvq.engine.segments import Checkpoint, chat_checkpoints
 
-from .body import parse_body
+from ..guards.body import parse_body
 
 T = TypeVar("T")
 COMPOSITION = 4  # code points a Unicode normalizer may compose into one (canonical, at most)

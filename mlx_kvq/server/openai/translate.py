@@ -1,5 +1,4 @@
-"""OpenAI's chat requests translated into the internal request (`chat_job.ChatJob`);
-no HTTP here."""
+"""OpenAI's chat requests translated into the internal request (`chat.job.ChatJob`)."""
 
 from __future__ import annotations
 
@@ -7,9 +6,10 @@ from typing import Any
 
 from mlx_kvq.engine.prompts import has_chat_template
 
+from ..chat.job import ChatJob, Refusal
+from ..chat.service import ChatService
+from ..chat.tools import ToolChoiceError, tool_policy
 from . import schemas
-from .chat_job import ChatJob, ChatService, Refusal
-from .tools import ToolChoiceError, tool_policy
 
 # OpenAI fields a chat template may read as variables (gpt-oss's reads reasoning_effort)
 TEMPLATE_FIELDS = ("reasoning_effort", "verbosity")
