@@ -65,9 +65,12 @@ def test_anthropic_tools_and_tool_choice():
     assert A.template_tools(tools) == [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
                                           "description": "d"}}]  # fmt: skip
-    assert A.tools_parsed(None) and not A.tools_parsed(AS.ToolChoice(type="none"))
+    assert A.tool_policy(None).parse and not A.tool_policy(AS.ToolChoice(type="none")).render
+    assert A.tool_policy(AS.ToolChoice(type="any")).required  # enforced by --tool-format json
+    named = A.tool_policy(AS.ToolChoice(type="tool", name="f"))
+    assert (named.required, named.name) == (True, "f")
     with pytest.raises(Refusal) as e:
-        A.tools_parsed(AS.ToolChoice(type="any"))
+        A.tool_policy(AS.ToolChoice(type="auto", disable_parallel_tool_use=True))
     assert e.value.param == "tool_choice"
 
 
@@ -251,3 +254,22 @@ def test_a_sampling_field_declared_in_a_schema_reaches_the_sampler():
     draws = {pool.get(params.updated(seed=s))(logprobs).item() for s in range(40)}
     without = {pool.get(params.updated(seed=s, min_p=0.0))(logprobs).item() for s in range(40)}
     assert draws == {0} and without == {0, 1, 2}
+
+
+def test_a_system_turns_output_config_is_the_requests_own():
+    """Claude Code 2.1 sends `output_config` inside a system-role turn of `messages`."""
+    turn = {"role": "system", "content": "Be brief.", "output_config": {"effort": "medium"}}
+    user = {"role": "user", "content": "Hi"}
+    service = SimpleNamespace(reads=lambda name: name == "reasoning_effort")
+    body = messages_body(messages=[user, turn, user])
+    assert A.template_args(body, service) == {"reasoning_effort": "medium"}
+    assert A.template_messages(body)[1] == {"role": "system", "content": "Be brief."}
+    top = messages_body(messages=[user, turn, user], output_config={"effort": "low"})
+    assert A.template_args(top, service) == {"reasoning_effort": "low"}  # the request's own first
+    assert A.template_args(body, SimpleNamespace(reads=lambda name: False)) == {}
+    formatted = {**turn, "output_config": {"format": {"type": "json_schema"}}}
+    with pytest.raises(Refusal) as e:
+        A.template_args(messages_body(messages=[user, formatted, user]), service)
+    assert e.value.param == "output_config"
+    with pytest.raises(ValueError, match="system turns only"):
+        messages_body(messages=[{**user, "output_config": {"effort": "low"}}])

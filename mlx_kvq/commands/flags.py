@@ -17,7 +17,7 @@ from pathlib import Path
 from ..config import PAGED_BLOCK_SIZE, ROTATIONS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVConfig
 from ..defaults import resolve_widths
 from ..sampling_params import DEFAULT_MAX_TOKENS, SamplingError, SamplingParams
-from ..server.settings import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RESPONSE_STORE_BYTES
+from ..server.settings import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RESPONSE_STORE_BYTES, ToolFormat
 from ..speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 from .http_process import DEFAULT_SHUTDOWN_TIMEOUT_S
 
@@ -382,6 +382,16 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="when the tokenizer has no chat template, use its default one (as mlx_lm.server; "
         "exit 2 when it has none)",
+    )
+    p.add_argument(
+        "--tool-format",
+        choices=[f.value for f in ToolFormat],
+        default=ToolFormat.TEMPLATE.value,
+        help="how tools reach the model: 'template' (the chat template renders them and "
+        "mlx-lm's parser reads the calls; tools get 400 where it cannot) or 'json' (the "
+        "generic format for templates that render no tools: the server describes the tools "
+        "in a system block and holds the answer to plain text or one JSON tool call with a "
+        "grammar); default: template",
     )
     p.add_argument(
         "--chat-template-args",

@@ -161,7 +161,7 @@ def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> 
 def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
     """What the HTTP layer needs besides the engine."""
     from ..server.guards.browser import GuardPolicy
-    from ..server.settings import ServerSettings
+    from ..server.settings import ServerSettings, ToolFormat
 
     return ServerSettings(
         model_id=source.served_id,
@@ -171,6 +171,7 @@ def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
         response_store_bytes=args.response_store_bytes,
         sampling=sampling_defaults(args),
         chat_template_args=dict(args.chat_template_args),
+        tool_format=ToolFormat(args.tool_format),
         adapter_path=source.adapter_path,
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,

@@ -37,6 +37,11 @@ class FieldDoc:
     note: str
 
 
+# how the generic tool format treats a request's tools, on every API
+GENERIC = (
+    "with --tool-format json (the generic format, for templates that render no tools): "
+    "described in a system block, the answer held by a grammar to text or one JSON call"
+)
 H, A, R, IG = Treatment.HONOURED, Treatment.APPROXIMATE, Treatment.REFUSED, Treatment.IGNORED
 
 COMMON = {
@@ -99,10 +104,12 @@ CHAT = {
         H,
         "rendered by the chat template; calls parsed by mlx-lm's parser for the model into "
         "tool_calls, finish_reason tool_calls; 400 when the template does not render tools or "
-        "mlx-lm has no parser for the model",
+        "mlx-lm has no parser for the model; " + GENERIC,
     ),
     "tool_choice": FieldDoc(
-        H, "auto; none (tools not rendered, calls not parsed); required or a named function 400"
+        H,
+        "auto; none (tools not rendered, calls not parsed); required or a named function: "
+        "enforced with --tool-format json (only the call is allowed), else 400",
     ),
     "parallel_tool_calls": FieldDoc(H, "true (the default); false 400 (cannot be enforced)"),
     "response_format": FieldDoc(
@@ -163,10 +170,11 @@ MESSAGES = {
     "messages": FieldDoc(
         H,
         "roles user, assistant and system (system turns after the first folded into the user "
-        "turn next to them for templates that do not render them); blocks text, tool_use, "
-        "tool_result (string or text blocks), thinking and redacted_thinking sent back; image "
-        "and document 400 (no model served here takes them); a final assistant turn "
-        "(prefill) 400",
+        "turn next to them for templates that do not render them; a system turn's "
+        "output_config, as Claude Code sends it, read as the request's output_config); blocks "
+        "text, tool_use, tool_result (string or text blocks), thinking and redacted_thinking "
+        "sent back; image and document 400 (no model served here takes them); a final "
+        "assistant turn (prefill) 400",
     ),
     "system": FieldDoc(
         H,
@@ -177,12 +185,13 @@ MESSAGES = {
         H,
         "rendered by the chat template as functions (input_schema as parameters); calls "
         "parsed into tool_use blocks; defer_loading: approximately, deferred tools are "
-        "rendered with the others (there is no tool search here)",
+        "rendered with the others (there is no tool search here); " + GENERIC,
     ),
     "tool_choice": FieldDoc(
         H,
-        "auto; none (tools not rendered, calls not parsed); any and tool 400 (decoding is "
-        "not constrained to a call); disable_parallel_tool_use: true 400",
+        "auto; none (tools not rendered, calls not parsed); any and tool: enforced with "
+        "--tool-format json (only a call, to that tool, is allowed), else 400; "
+        "disable_parallel_tool_use: true 400",
     ),
     "stop_sequences": FieldDoc(
         H, "up to 16, matched on the decoded text, left out; stop_reason stop_sequence"
@@ -201,7 +210,8 @@ MESSAGES = {
     "output_config": FieldDoc(
         A,
         "effort: passed as reasoning_effort to templates that read it (gpt-oss's), else no "
-        "effect; format (structured output) 400",
+        "effect; also read from a system turn of messages (the request's own comes first); "
+        "format (structured output) 400",
     ),
     "context_management": FieldDoc(
         IG,
@@ -250,9 +260,13 @@ RESPONSES = {
         "function tools rendered by the chat template and their calls parsed; namespace tools "
         "rendered as their member functions; strict is not enforced (calls are the model's, "
         "parsed); hosted tools (web_search, file_search, ...) left out of the prompt, logged "
-        "once and counted in /metrics",
+        "once and counted in /metrics; " + GENERIC + " (the arguments match the parameters)",
     ),
-    "tool_choice": FieldDoc(H, "auto; none (tools not rendered); required or a named tool 400"),
+    "tool_choice": FieldDoc(
+        H,
+        "auto; none (tools not rendered); required or a named function: enforced with "
+        "--tool-format json, else 400",
+    ),
     "parallel_tool_calls": FieldDoc(H, "true (the default); false 400 (cannot be enforced)"),
     "reasoning": FieldDoc(
         A,

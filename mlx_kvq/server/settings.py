@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from mlx_kvq.sampling_params import SamplingParams
@@ -13,6 +14,13 @@ from .guards.browser import GuardPolicy
 DEFAULT_MODEL_ALIAS = "default_model"  # what clients written for mlx_lm.server send
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_RESPONSE_STORE_BYTES = 64 * 1024 * 1024
+
+
+class ToolFormat(str, Enum):
+    """How tools reach the model and calls come back (`--tool-format`)."""
+
+    TEMPLATE = "template"  # the chat template renders them; mlx-lm's parser reads the calls
+    JSON = "json"  # the generic format (chat/json_tools.py): a system block, a grammar
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,7 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     sampling: SamplingParams = field(default_factory=SamplingParams)  # --max-tokens, --temp, ...
     chat_template_args: dict[str, Any] = field(default_factory=dict)
+    tool_format: ToolFormat = ToolFormat.TEMPLATE  # --tool-format
     adapter_path: str | None = None  # the adapter the model was loaded with (--adapter-path)
     draft_model: str | None = None  # the draft model speculative decoding uses (--draft-model)
     num_draft_tokens: int = 3  # tokens drafted per step by default (--num-draft-tokens)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mlx_kvq.sampling_params import SamplingParams
 
@@ -87,11 +87,30 @@ Block = Annotated[
 ]
 
 
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: dict[str, Any] | None = None
+
+
 class Message(BaseModel):
+    """A turn; a system turn may carry `output_config` (Claude Code 2.1 sends
+    `{"effort": ...}` there), read as the request's own."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
+    output_config: OutputConfig | None = None
+
+    @model_validator(mode="after")
+    def _config_on_system_turns(self):
+        if self.output_config is not None and self.role != "system":
+            raise ValueError(
+                f"output_config is taken on system turns only, not on a {self.role} turn"
+            )
+        return self
 
 
 class Tool(BaseModel):
@@ -124,13 +143,6 @@ class Thinking(BaseModel):
     display: Literal["summarized", "omitted"] | None = None
 
 
-class OutputConfig(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    format: dict[str, Any] | None = None
-
-
 class CountTokensRequest(BaseModel):
     """`/v1/messages/count_tokens`: the fields that shape the prompt."""
 
@@ -158,6 +170,11 @@ class CountTokensRequest(BaseModel):
     def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         """This body's sampling: the server's `defaults` with the fields it sets."""
         return sampling_params(self, defaults)
+
+    def output_configs(self) -> list[OutputConfig]:
+        """The request's `output_config` and those its system turns carry, in order."""
+        turns = [m.output_config for m in self.messages if m.output_config is not None]
+        return [c for c in (self.output_config, *turns) if c is not None]
 
 
 class MessagesRequest(CountTokensRequest):

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..chat.job import ChatJob, Refusal
 from ..chat.service import ChatService
+from ..chat.tools import AUTO, NONE, ToolPolicy, required_call
 from . import schemas as S
 
 
@@ -89,20 +90,21 @@ def template_tools(tools: list[S.Tool] | None) -> list[dict[str, Any]] | None:
     return out
 
 
-def tools_parsed(choice: S.ToolChoice | None) -> bool:
-    """Whether tools are rendered and calls parsed (`none`: neither)."""
+def tool_policy(choice: S.ToolChoice | None) -> ToolPolicy:
+    """What `tool_choice` asks: auto, none (tools neither rendered nor parsed),
+    any or one named tool (a call required)."""
+    if choice is not None and choice.disable_parallel_tool_use and choice.type != "none":
+        raise Refusal("disable_parallel_tool_use cannot be enforced by this server",
+                      "tool_choice")  # fmt: skip
     if choice is None or choice.type == "auto":
-        if choice is not None and choice.disable_parallel_tool_use:
-            raise Refusal("disable_parallel_tool_use cannot be enforced by this server",
-                          "tool_choice")  # fmt: skip
-        return True
+        return AUTO
     if choice.type == "none":
-        return False
-    raise Refusal(
-        f"tool_choice {choice.type!r} cannot be enforced by this server (it does not "
-        "constrain decoding to a tool call); use 'auto' or 'none'",
-        "tool_choice",
-    )
+        return NONE
+    if choice.type == "any":
+        return required_call()
+    if not choice.name:
+        raise Refusal("tool_choice of type 'tool' names the tool (name)", "tool_choice")
+    return required_call(choice.name)
 
 
 def template_args(body: S.CountTokensRequest, service: ChatService) -> dict[str, Any]:
@@ -110,10 +112,11 @@ def template_args(body: S.CountTokensRequest, service: ChatService) -> dict[str,
     if body.thinking is not None and body.thinking.type == "disabled":
         if service.reads("enable_thinking"):
             args["enable_thinking"] = False
-    effort = body.output_config.effort if body.output_config else None
-    if effort is not None and service.reads("reasoning_effort"):
-        args["reasoning_effort"] = effort
-    if body.output_config is not None and body.output_config.format is not None:
+    configs = body.output_configs()
+    efforts = [c.effort for c in configs if c.effort is not None]
+    if efforts and service.reads("reasoning_effort"):
+        args["reasoning_effort"] = efforts[0]  # the request's own, else the first turn's
+    if any(c.format is not None for c in configs):
         raise Refusal("output_config.format (structured output) is not supported", "output_config")
     return args
 
@@ -125,12 +128,13 @@ def to_job(body: S.CountTokensRequest, service: ChatService) -> ChatJob:
             "a final assistant message (prefill) is not supported: end with a user turn",
             "messages",
         )
-    parse = tools_parsed(body.tool_choice)
+    policy = tool_policy(body.tool_choice)
     return ChatJob(
         messages=template_messages(body),
         sampling=body.to_sampling_params(service.settings.sampling),
-        tools=template_tools(body.tools) if parse else None,
-        parse_tools=parse,
+        tools=template_tools(body.tools) if policy.render else None,
+        parse_tools=policy.parse,
+        tool_choice=policy,
         template_args=template_args(body, service),
         stream=isinstance(body, S.MessagesRequest) and body.stream,
     )

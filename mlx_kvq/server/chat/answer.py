@@ -21,6 +21,7 @@ from mlx_kvq.engine.stops import first_stop
 
 from .generation import IDLE, Generation
 from .job import ChatJob
+from .json_tools import JsonToolOutput
 from .output import ChatDelta, ChatOutput
 
 
@@ -120,7 +121,8 @@ class Answer:
     tokens that added reasoning.
     """
 
-    def __init__(self, generation: Generation, output: ChatOutput, job: ChatJob, tokenizer: Any):
+    def __init__(self, generation: Generation, output: ChatOutput | JsonToolOutput, job: ChatJob,
+                 tokenizer: Any):  # fmt: skip
         self.generation = generation
         self.output = output
         self.job = job

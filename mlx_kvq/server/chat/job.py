@@ -22,6 +22,8 @@ from pydantic import BaseModel
 
 from mlx_kvq.sampling_params import SamplingError, SamplingParams
 
+from .tools import AUTO, ToolPolicy
+
 
 class Refusal(ValueError):
     """A request value a translator cannot honour; `param` names the field (a 400)."""
@@ -57,6 +59,7 @@ class ChatJob:
     sampling: SamplingParams
     tools: list[dict[str, Any]] | None = None
     parse_tools: bool = True  # turn the model's tool-call markup into calls
+    tool_choice: ToolPolicy = AUTO  # whether the answer must be a call (and to which tool)
     template_args: dict[str, Any] = field(default_factory=dict)  # over --chat-template-args
     stream: bool = False
     role_mapping: dict[str, str] | None = None  # for tokenizers without a chat template

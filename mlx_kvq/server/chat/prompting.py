@@ -54,10 +54,13 @@ class PromptTooLong(Exception):
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """A rendered chat: its token ids and the segment checkpoints the prompt cache keeps."""
+    """A rendered chat: its token ids and the segment checkpoints the prompt
+    cache keeps; `tool_grammar` is the grammar its answer follows when its
+    tools are given in the generic format (`json_tools.py`)."""
 
     tokens: list[int]
     checkpoints: tuple[Checkpoint, ...]
+    tool_grammar: str | None = None
 
 
 def longest_token_chars(tokenizer: Any) -> int:

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from ..chat.service import ChatService
 from ..replies import client_gone, http_response
 from ..request_body import read_model
+from ..settings import ToolFormat
 from . import handlers, schemas
 from .variants import VariantError, check_adapter, draft_tokens
 
@@ -30,11 +31,16 @@ def openai_router(service: ChatService, auth: Callable) -> APIRouter:
     router = APIRouter(dependencies=[Depends(auth)])
     settings = service.settings
     splitter = service.splitter
+    if settings.tool_format == ToolFormat.JSON:
+        calls = "in the generic JSON format (--tool-format json)"
+    elif splitter.tools:
+        calls = "parsed"
+    else:
+        calls = "not parsed (no parser for this model: tools get 400; see --tool-format json)"
     log.info(
         "chat answers: reasoning %s, tool calls %s",
-        "separated" if splitter.thinking else "not marked by this tokenizer",
-        "parsed" if splitter.tools else "not parsed (no parser for this model: tools get 400)",
-    )
+        "separated" if splitter.thinking else "not marked by this tokenizer", calls,
+    )  # fmt: skip
 
     async def read(request: Request, model_cls: type) -> tuple[Any, int]:
         """The body, and the tokens to draft per step for it (0: no speculative decoding)."""

@@ -50,6 +50,7 @@ def chat_job(body: schemas.ChatCompletionRequest, service: ChatService, drafts: 
         sampling=body.to_sampling_params(service.settings.sampling),
         tools=body.template_tools if policy.render else None,
         parse_tools=policy.parse,
+        tool_choice=policy,
         template_args=template_args(body, service),
         stream=body.stream,
         role_mapping=body.role_mapping,

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..chat.job import ChatJob, Refusal
 from ..chat.service import ChatService
+from ..chat.tools import AUTO, NONE, ToolPolicy, required_call
 from . import schemas as S
 from .store import AgentCounters
 
@@ -107,18 +108,27 @@ def template_tools(
     return out or None, namespaces
 
 
-def parse_policy(body: S.ResponsesRequest) -> bool:
+def tool_policy(body: S.ResponsesRequest) -> ToolPolicy:
+    """What `tool_choice` asks: auto, none, required, or one named function."""
     choice = body.tool_choice
     if body.parallel_tool_calls is False:
         raise Refusal("parallel_tool_calls: false cannot be enforced by this server",
                       "parallel_tool_calls")  # fmt: skip
     if choice is None or choice == "auto":
-        return True
+        return AUTO
     if choice == "none":
-        return False
+        return NONE
+    if choice == "required":
+        return required_call()
+    if (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("name"), str)
+    ):
+        return required_call(choice["name"])
     raise Refusal(
-        f"tool_choice {json.dumps(choice)[:80]} cannot be enforced by this server (it does "
-        "not constrain decoding to a tool call); use 'auto' or 'none'",
+        f"tool_choice must be 'auto', 'none', 'required' or a function "
+        f'({{"type": "function", "name": ...}}), not {json.dumps(choice)[:80]}',
         "tool_choice",
     )
 
@@ -139,7 +149,7 @@ def to_job(
     service: ChatService,
 ) -> tuple[ChatJob, dict[str, str], list[dict[str, Any]]]:  # fmt: skip
     """The job, the namespaces of member functions, and the conversation to store."""
-    parse = parse_policy(body)
+    policy = tool_policy(body)
     tools, namespaces = template_tools(body.tools, counters)
     conversation = history + input_messages(body)
     if not conversation:
@@ -147,8 +157,9 @@ def to_job(
     job = ChatJob(
         messages=leading_system(body.instructions, conversation),
         sampling=body.to_sampling_params(service.settings.sampling),
-        tools=tools if parse else None,
-        parse_tools=parse,
+        tools=tools if policy.render else None,
+        parse_tools=policy.parse,
+        tool_choice=policy,
         template_args=template_args(body, service),
         stream=body.stream,
     )
