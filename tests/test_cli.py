@@ -191,7 +191,7 @@ def test_every_command_runs_on_the_fast_blas():
         "    c.run = lambda args: seen.__setitem__(args.command, blas.blas_info().fast)\n"
         "for c in commands.COMMANDS:\n"
         "    name = c.__name__.rsplit('.', 1)[1].replace('_', '-')\n"
-        "    extra = ['-p', 'x', '--prompt-cache-file', 'f'] if name == 'cache-prompt' else []\n"
+        "    extra = {'cache-prompt': ['-p', 'x', '--prompt-cache-file', 'f'], 'convert': ['m.gguf', 'out']}.get(name, [])\n"
         "    assert commands.main([name, *extra]) == 0\n"
         "print(json.dumps(seen))\n"
     )
@@ -200,7 +200,7 @@ def test_every_command_runs_on_the_fast_blas():
         [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
     )
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    names = {"serve", "generate", "plan", "cache-prompt", "eval", "bench"}
+    names = {"serve", "generate", "plan", "cache-prompt", "eval", "bench", "convert"}
     assert set(seen) == names | {"import"}, seen
     imported = seen.pop("import")
     assert not (imported and sys.platform.startswith("linux")), "import mlx_kvq rebound the BLAS"

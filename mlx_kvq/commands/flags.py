@@ -113,7 +113,8 @@ def add_model_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="model directory or repo, or an embedded demo model: demo:gemma (hybrid "
+        help="model directory or repo, a GGUF file (converted once into a cache directory; "
+        "llama, qwen2, qwen3, gemma3), or an embedded demo model: demo:gemma (hybrid "
         "attention, the default) or demo:full (full attention on every layer)",
     )
 
@@ -681,3 +682,26 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
 
 def _tuple_names(text: str) -> tuple[str, ...]:
     return tuple(_names(text))
+
+
+# -- convert -------------------------------------------------------------------------
+DTYPE_CHOICES = ("float32", "float16", "bfloat16")
+
+
+def add_convert_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("gguf", help="the GGUF file (llama, qwen2, qwen3 or gemma3)")
+    p.add_argument("out_dir", help="the directory to write (must not exist, or be empty)")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default=None,
+        help="dtype of the dense tensors (default: float32 on MLX's CPU backend, whose "
+        "half-precision products do not use the BLAS; float16 elsewhere)",
+    )
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="make every weight dense, also the block types MLX's quantization holds "
+        "exactly (kept packed by default): on the CPU backend the fastest form, at "
+        "4-8x the bytes",
+    )

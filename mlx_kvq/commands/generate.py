@@ -18,7 +18,7 @@ from .flags import (
     kv_config,
     sampling_defaults,
 )
-from .startup import Launch, model_source, refuse_early
+from .startup import Launch, model_directory, model_source, refuse_early
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -81,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
         if cache is not None:
             check_prompt_cache_settings(cache, cfg, args.prompt_cache_file)
         plan, infos = launch.plan(model, cfg) if cfg.enabled else (None, launch.shard_infos())
-    draft = load(args.draft_model)[0] if args.draft_model else None
+    draft = None
+    if args.draft_model:
+        draft = load(model_directory(args.draft_model, "--draft-model")[0])[0]
     say(launch.plan_text(plan, infos, args.verbose))
     say("=" * 10)
     if cache is not None:
