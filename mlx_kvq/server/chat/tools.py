@@ -70,8 +70,8 @@ def tool_policy(tool_choice: str | dict[str, Any] | None) -> ToolPolicy:
     ):  # fmt: skip
         return required_call(function["name"])
     raise ToolChoiceError(
-        "tool_choice must be 'auto', 'none', 'required' or a function "
-        f'({{"type": "function", "function": {{"name": ...}}}}), not {json.dumps(tool_choice)[:80]}'
+        "tool_choice must be 'auto', 'none', 'required' or a named function, "
+        f"not {json.dumps(tool_choice)[:80]}"
     )
 
 

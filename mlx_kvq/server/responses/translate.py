@@ -17,7 +17,7 @@ from typing import Any
 
 from ..chat.job import ChatJob, Refusal
 from ..chat.service import ChatService
-from ..chat.tools import AUTO, NONE, ToolPolicy, required_call
+from ..chat.tools import ToolChoiceError, ToolPolicy, tool_policy
 from . import schemas as S
 from .store import AgentCounters
 
@@ -108,29 +108,18 @@ def template_tools(
     return out or None, namespaces
 
 
-def tool_policy(body: S.ResponsesRequest) -> ToolPolicy:
+def choice_policy(body: S.ResponsesRequest) -> ToolPolicy:
     """What `tool_choice` asks: auto, none, required, or one named function."""
-    choice = body.tool_choice
     if body.parallel_tool_calls is False:
         raise Refusal("parallel_tool_calls: false cannot be enforced by this server",
                       "parallel_tool_calls")  # fmt: skip
-    if choice is None or choice == "auto":
-        return AUTO
-    if choice == "none":
-        return NONE
-    if choice == "required":
-        return required_call()
-    if (
-        isinstance(choice, dict)
-        and choice.get("type") == "function"
-        and isinstance(choice.get("name"), str)
-    ):
-        return required_call(choice["name"])
-    raise Refusal(
-        f"tool_choice must be 'auto', 'none', 'required' or a function "
-        f'({{"type": "function", "name": ...}}), not {json.dumps(choice)[:80]}',
-        "tool_choice",
-    )
+    choice = body.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        choice = {"type": "function", "function": {"name": choice["name"]}}  # chat's shape
+    try:
+        return tool_policy(choice)
+    except ToolChoiceError as e:
+        raise Refusal(str(e), "tool_choice") from None
 
 
 def template_args(body: S.ResponsesRequest, service: ChatService) -> dict[str, Any]:
@@ -149,7 +138,7 @@ def to_job(
     service: ChatService,
 ) -> tuple[ChatJob, dict[str, str], list[dict[str, Any]]]:  # fmt: skip
     """The job, the namespaces of member functions, and the conversation to store."""
-    policy = tool_policy(body)
+    policy = choice_policy(body)
     tools, namespaces = template_tools(body.tools, counters)
     conversation = history + input_messages(body)
     if not conversation:
