@@ -12,14 +12,13 @@ tool's result is in the prompt it answers in text.
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import anthropic
 import httpx
 import llguidance
 import llguidance.hf
 import pytest
+from kvq_testing import real_models
 from kvq_testing.scripted import save_scripted_model
 from kvq_testing.server import ServerProcess
 from mlx_lm.utils import load_tokenizer
@@ -200,20 +199,15 @@ def test_what_the_generic_format_cannot_combine_is_refused(server):
 
 
 # -- a real model whose template renders no tools ---------------------------------------
-GEMMA3 = Path(os.environ.get("KVQ_GEMMA3_DIR", "/work/models/gemma3-270m-f32"))
-
-
-@pytest.mark.skipif(not (GEMMA3 / "config.json").is_file(), reason=f"no Gemma 3 270M at {GEMMA3}")
 def test_gemma3_270m_calls_a_tool_in_the_generic_format():
     """Gemma 3 270M (base, no chat template) with a required call: a tool_use
     block whose input matches the tool's schema (which call a base model makes
-    is not the point; that its answer has the shape is). Once the lead's
-    real-model helpers land (tests/kvq_testing/real_models.py), the model
-    comes from there."""
+    is not the point; that its answer has the shape is)."""
+    real_models.converted("gemma")  # converted once; the server reuses it
     tools = [{"name": "get_weather", "description": "Current weather in a city",
               "input_schema": PARAMETERS}]  # fmt: skip
-    with ServerProcess(GEMMA3, "--tool-format", "json", api_key=KEY) as s:
-        s.wait_ready(900)
+    with ServerProcess(real_models.gemma_gguf(), "--tool-format", "json", api_key=KEY) as s:
+        s.wait_ready()
         claude = anthropic.Anthropic(base_url=s.url, api_key=KEY, max_retries=0, timeout=600)
         m = claude.messages.create(model="gemma", max_tokens=40, tools=tools,
                                    tool_choice={"type": "any"},

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from ..evaluate import evaluate, format_text_table, load_eval_inputs
 
     kv_config(args)
-    model, _, texts = load_eval_inputs(args.model, args.text)
+    model, _, texts = load_eval_inputs(args.model, args.text, args.dtype)
     cfg = kv_setting(args, model_source(args), model)
     results = []
     for name, (ids, bos) in texts.items():

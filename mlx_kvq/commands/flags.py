@@ -119,6 +119,20 @@ def add_model_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
+    """`--dtype`: what the loaded weights compute in (`mlx_kvq.compute`)."""
+    from ..compute import DTYPES
+
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="dtype of the weights' floats; auto: float32 on MLX's CPU backend for a "
+        "float16/bfloat16 model (its half-precision products skip the BLAS, about 20x "
+        "slower), the model's own elsewhere",
+    )
+
+
 def add_adapter_flag(parser: argparse.ArgumentParser) -> None:
     """mlx-lm's `--adapter-path`: LoRA/DoRA/full fine-tune weights applied at load."""
     parser.add_argument(
@@ -362,6 +376,7 @@ DEFAULT_MAX_QUEUED = 256
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """The `serve` flags: mlx_lm.server's names and meanings, plus ours."""
     add_model_flag(p)
+    add_dtype_flag(p)
     add_adapter_flag(p)
     add_draft_flags(p)
     p.add_argument(
@@ -495,6 +510,7 @@ GENERATE_MAX_TOKENS = 100  # mlx_lm.generate's --max-tokens
 def add_generate_flags(g: argparse.ArgumentParser) -> None:
     """`mlx-kvq generate`: mlx_lm.generate's flags, plus ours."""
     add_model_flag(g)
+    add_dtype_flag(g)
     add_adapter_flag(g)
     add_prompt_flag(g, "the prompt", default="And God said")
     add_sampling_flags(g, max_tokens=GENERATE_MAX_TOKENS)
@@ -518,6 +534,7 @@ def add_generate_flags(g: argparse.ArgumentParser) -> None:
 # -- cache-prompt --------------------------------------------------------------------
 def add_cache_prompt_flags(c: argparse.ArgumentParser) -> None:
     add_model_flag(c)
+    add_dtype_flag(c)
     add_prompt_flag(c, "the prefix to cache (plain text)")
     add_prompt_cache_file_flag(c, "where to write the .safetensors file", required=True)
     add_prefill_step_flag(c)
@@ -538,6 +555,7 @@ def add_eval_flags(p: argparse.ArgumentParser) -> None:
     from ..evaluate import DEFAULT_CHUNK, DEFAULT_CONTEXT, DEFAULT_WINDOWS, HELD_CONTEXT
 
     add_model_flag(p)
+    add_dtype_flag(p)
     p.add_argument(
         "--text",
         type=Path,

@@ -18,7 +18,7 @@ from .flags import (
     kv_config,
     sampling_defaults,
 )
-from .startup import Launch, model_directory, model_source, refuse_early
+from .startup import Launch, model_directory, model_source, prepare_compute, refuse_early
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     draft = None
     if args.draft_model:
         draft = load(model_directory(args.draft_model, "--draft-model")[0])[0]
+        prepare_compute(draft, args)
     say(launch.plan_text(plan, infos, args.verbose))
     say("=" * 10)
     if cache is not None:

@@ -29,7 +29,14 @@ from .flags import (
     sampling_defaults,
 )
 from .http_process import serve_http
-from .startup import Launch, ModelSource, model_directory, model_source, refuse_early
+from .startup import (
+    Launch,
+    ModelSource,
+    model_directory,
+    model_source,
+    prepare_compute,
+    refuse_early,
+)
 
 log = logging.getLogger("mlx_kvq.server")
 
@@ -284,6 +291,7 @@ def load_draft(args: argparse.Namespace, model, tokenizer, plan, kv):
 
     try:
         draft_model, draft_tokenizer = load(model_directory(args.draft_model, "--draft-model")[0])
+        prepare_compute(draft_model, args)
     except Exception as e:  # noqa: BLE001 - any load failure is a bad --draft-model
         raise ValueError(
             f"could not load the draft model from {args.draft_model}: {type(e).__name__}: {e}"

@@ -137,7 +137,17 @@ def load_model(source: ModelSource, args: argparse.Namespace) -> tuple[Any, Any]
         raise ValueError(f"could not load the model from {what}: {type(e).__name__}: {e}") from e
     if getattr(args, "use_default_chat_template", False):
         use_default_chat_template(tokenizer)
+    prepare_compute(model, args)
     return model, tokenizer
+
+
+def prepare_compute(model: Any, args: argparse.Namespace) -> None:
+    """`--dtype` and the CPU backend's choices (`compute.prepare`), said on stderr."""
+    from ..compute import prepare
+
+    line = prepare(model, getattr(args, "dtype", "auto")).line()
+    if line is not None:
+        print(f"mlx-kvq: {line}", file=sys.stderr)
 
 
 def check_sharding_early(location: str, pipeline: bool, rank: int):
@@ -261,6 +271,7 @@ class Launch:
             ) from e
         if getattr(args, "use_default_chat_template", False):
             use_default_chat_template(tokenizer)
+        prepare_compute(model, args)
         sync_seed(getattr(args, "seed", None))
         return model, tokenizer
 
