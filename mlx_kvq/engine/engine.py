@@ -82,7 +82,6 @@ from .requests import (
     Outcome,
     PromptProgress,
     Rejection,
-    SamplingParams,
     Segment,
     Stop,
     TokenEvent,
@@ -134,13 +133,6 @@ class EngineOptions:
 
 def _discard(_event: Event) -> None:
     """The sink of a request this process does not answer (a follower rank)."""
-
-
-def check_logit_bias(p: SamplingParams, vocab: int | None) -> None:
-    """Refuse `logit_bias` token ids outside the model's logits (mlx-lm would
-    index out of bounds)."""
-    if vocab is not None and any(not 0 <= t < vocab for t, _ in p.logit_bias):
-        raise ValueError(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1})")
 
 
 @dataclass(frozen=True)
@@ -472,7 +464,7 @@ class Engine:
             self._max_tokens(req),
         )  # fmt: skip
         try:
-            check_logit_bias(req.params, self._samplers.vocab)
+            req.params.check_vocabulary(self.vocab_size)
             seq.processors = make_processors(req.params, self.grammars)
         except Exception as e:  # noqa: BLE001 - this request's settings, not the engine
             self._fail(seq, e)
