@@ -29,14 +29,14 @@ from . import attention
 from .caches import (
     DEQUANTIZED,
     PACKED,
+    KVQDeepseekV41Cache,
     KVQIndexerCache,
-    KVQLayerCache,
     KVQWindowCache,
     is_twin,
     lookup,
     quantize_cache,
 )
-from .caches.layer import FIELDS
+from .caches.deepseek_v41 import FIELDS
 from .config import KVConfig, QuantSpec, UnsupportedKVConfig
 from .mlx_lm_internals import model_classes
 
@@ -69,7 +69,7 @@ REFUSED_MODELS: dict[str, str] = {}
 KV_KINDS = ("full", "sliding", "chunked", "indexer", "compressed")
 
 # deepseek_v41's LayerCache: its KV fields in member order, then the open
-# compression group (working state); see caches/layer.py.
+# compression group (working state); see caches/deepseek_v41.py.
 LAYER_FIELDS = (*FIELDS, "pending")
 
 
@@ -349,7 +349,7 @@ def _flatten(caches: list, model=None) -> list[tuple[int, int | None, object]]:
         kind = lookup(c)
         if type(c) is mlx_cache.CacheList:
             out.extend((slot, m, member) for m, member in enumerate(c.caches))
-        elif type(c) is KVQLayerCache:
+        elif type(c) is KVQDeepseekV41Cache:
             out.extend((slot, _member(leaf), leaf) for leaf in c.report_members)
         elif kind is not None and kind.name == "layer":
             fields = layer_cache_fields(model, slot)
@@ -365,7 +365,7 @@ def _flatten(caches: list, model=None) -> list[tuple[int, int | None, object]]:
 
 
 def _member(leaf) -> int:
-    """A `KVQLayerCache` leaf's member number (its field's place in LAYER_FIELDS)."""
+    """A `KVQDeepseekV41Cache` leaf's member number (its field's place in LAYER_FIELDS)."""
     return LAYER_FIELDS.index(leaf.field)
 
 
@@ -419,7 +419,7 @@ def twin_slot(plan: KVPlan, slot: int, cache, start: int | None = None):
         if not members:
             return cache
         fields = {LAYER_FIELDS[p.member]: (p.ratio, p.key_spec, p.value_spec) for p in members}
-        return KVQLayerCache.from_cache(cache, fields, start)
+        return KVQDeepseekV41Cache.from_cache(cache, fields, start)
     if type(cache) is mlx_cache.CacheList:
         return mlx_cache.CacheList(
             *(_twin(plan, plan.layer(slot, m), c, start) for m, c in enumerate(cache.caches))

@@ -290,7 +290,7 @@ def test_the_readme_table_places_every_module():
     assert importlib.import_module("mlx_kvq.commands").main
     rows = [row for row, _ in LAYERS]
     assert rows[0].startswith("`config.py`") or "config.py" in rows[0], rows
-    assert layer("caches.layer") == layer("caches.indexer") == layer("caches.full")
+    assert layer("caches.deepseek_v41") == layer("caches.indexer") == layer("caches.full")
     assert layer("distributed.coordinator") == layer("engine") > layer("distributed.group")
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from .base import DEQUANTIZED, PACKED, KVQCache
 from .chunked import KVQChunkedCache
+from .deepseek_v41 import KVQDeepseekV41Cache
 from .full import KVQBatchFullCache, KVQFullCache
 from .indexer import KVQBatchIndexerCache, KVQIndexerCache
-from .layer import KVQLayerCache
 from .paged import (
     BlockPool,
     KVQPagedFullCache,
@@ -63,7 +63,7 @@ __all__ = [
     "KVQChunkedCache",
     "KVQFullCache",
     "KVQIndexerCache",
-    "KVQLayerCache",
+    "KVQDeepseekV41Cache",
     "KVQWindowCache",
     "cache_report",
     "is_twin",

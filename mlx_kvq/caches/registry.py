@@ -18,9 +18,15 @@ from ..mlx_lm_internals import batch_cursor
 from ..quant import Store
 from .base import PACKED, KVQCache
 from .chunked import KVQChunkedCache
+from .deepseek_v41 import (
+    KVQCompressedRows,
+    KVQDeepseekV41Cache,
+    KVQIndexRows,
+    KVQWindowRows,
+    PendingRows,
+)
 from .full import KVQBatchFullCache, KVQFullCache
 from .indexer import KVQBatchIndexerCache, KVQIndexerCache
-from .layer import KVQCompressedRows, KVQIndexRows, KVQLayerCache, KVQWindowRows, PendingRows
 from .paged import (
     KVQPagedFullCache,
     KVQPagedFullSequence,
@@ -119,7 +125,7 @@ REGISTRY: dict[type, CacheKind] = {
     KVQCompressedRows: CacheKind("compressed", _same),
     KVQIndexRows: CacheKind("indexer", _same),
     PendingRows: CacheKind("state", None),
-    KVQLayerCache: CacheKind("layer", _same, lambda c: c.window_size, one_sequence=True),
+    KVQDeepseekV41Cache: CacheKind("layer", _same, lambda c: c.window_size, one_sequence=True),
 }
 
 # Model-specific cache classes, declared by qualified name (no model module is
@@ -134,7 +140,7 @@ BY_NAME: dict[str, CacheKind] = {
 TWINS = frozenset(cls for cls, kind in REGISTRY.items() if kind.convert is _same)
 
 # Containers: their members are looked up one by one.
-CONTAINERS = (mlx_cache.CacheList, KVQLayerCache)
+CONTAINERS = (mlx_cache.CacheList, KVQDeepseekV41Cache)
 
 
 def lookup(cache) -> CacheKind | None:
@@ -155,7 +161,7 @@ def leaves(cache) -> list:
 def report_leaves(cache) -> list:
     """What a report lists for a slot: its leaves, with the report views of
     deepseek_v41's open compression group (`PendingRows`), which are no caches."""
-    if type(cache) is KVQLayerCache:
+    if type(cache) is KVQDeepseekV41Cache:
         return list(cache.report_members)
     if type(cache) in CONTAINERS:
         return [leaf for c in cache.caches for leaf in report_leaves(c)]
@@ -209,7 +215,7 @@ PROMPT_FILE_CLASSES: dict[str, type] = {
         KVQBatchWindowCache,
         KVQIndexerCache,
         KVQBatchIndexerCache,
-        KVQLayerCache,
+        KVQDeepseekV41Cache,
     )
 }
 
