@@ -39,32 +39,7 @@ from .caches import (
 from .caches.deepseek_v41 import FIELDS
 from .config import KVConfig, QuantSpec, UnsupportedKVConfig
 from .mlx_lm_internals import model_classes
-
-# Model code that cannot take packed K/V: it calls array methods on the
-# cached tensors (latent attention, sparse indexers) or bypasses mlx-lm's
-# attention function. Those layers keep quantized storage and are handed
-# dequantized arrays. Found by the architecture sweep; the probe below also
-# catches any model not listed here.
-DEQUANTIZED_MODELS = frozenset(
-    {
-        "bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "deepseek_v32", "deepseek_v41", "gemma2",
-        "glm4_moe_lite", "glm_moe_dsa", "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl",
-        "longcat_flash", "mistral4", "phi", "phi3small", "phixtral", "plamo", "plamo2",
-        "stablelm",
-    }
-)  # fmt: skip
-
-# Sparse-attention models whose every `CacheList` slot holds, at this member,
-# the indexer's keys next to the attention cache (read from the model code:
-# the indexer scores them with array code and touches the cache's `.keys` /
-# `.values` directly). Those members get `KVQIndexerCache`: keys only,
-# quantized, handed out dequantized.
-INDEXER_MEMBERS = {"deepseek_v32": 1, "glm_moe_dsa": 1, "minimax_m3_vl": 1}
-
-# Model code that cannot work with any cache object other than mlx-lm's own:
-# refused at plan time with the reason (found by the architecture sweep).
-# Every architecture mlx-lm 0.32.2 ships is served now; kept for new ones.
-REFUSED_MODELS: dict[str, str] = {}
+from .model_facts import facts
 
 KV_KINDS = ("full", "sliding", "chunked", "indexer", "compressed")
 
@@ -501,10 +476,10 @@ def plan_kv(
     )
     attention.install()
     model_type = model_type_of(model)
-    if cfg.enabled and model_type in REFUSED_MODELS:
+    refused = facts(model_type).refused
+    if cfg.enabled and refused:
         raise UnsupportedKVConfig(
-            f"{model_type}: KV quantization is not supported: {REFUSED_MODELS[model_type]}. "
-            "Run without --kv-bits"
+            f"{model_type}: KV quantization is not supported: {refused}. Run without --kv-bits"
         )
     proto = _prototype(model, cfg.max_kv_size)
     flat = _flatten(proto, model)
@@ -517,7 +492,7 @@ def plan_kv(
 
     layers: list[LayerPlan] = []
     notes: list[str] = []
-    indexer = INDEXER_MEMBERS.get(model_type)
+    indexer = facts(model_type).indexer_member
     for slot, member, c in flat:
         field = c.field if type(c) is _LayerLeaf else None
         kind = lookup(c.cache if field else c)
@@ -537,7 +512,7 @@ def plan_kv(
                 raise UnsupportedKVConfig(
                     f"{where}: {model_type} is declared to keep its indexer keys in a KVCache "
                     f"here, but the model made a {type(c).__name__}; the declaration "
-                    "(INDEXER_MEMBERS in mlx_kvq/plan.py) does not match this mlx-lm version"
+                    "(`indexer_member` in mlx_kvq/model_facts.py) does not match this mlx-lm version"
                 )
             name = "indexer"
         if name == "full" and cfg.max_kv_size is not None:
@@ -677,7 +652,7 @@ def _check_hand_out(model, plan: KVPlan) -> None:
     """Run the planned caches through the model lazily and make sure every
     quantized slot reaches quantized attention; fall back to dequantized
     hand-out for model code that needs arrays, and say so."""
-    declared = plan.model_type in DEQUANTIZED_MODELS
+    declared = facts(plan.model_type).needs_arrays
     modes = [DEQUANTIZED] if declared else [PACKED, DEQUANTIZED]
     errors = []
     for mode in modes:

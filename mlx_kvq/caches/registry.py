@@ -15,6 +15,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from ..config import QuantSpec
 from ..mlx_lm_internals import batch_cursor
+from ..model_facts import FACTS, OwnCache, facts
 from ..quant import Store
 from .base import PACKED, KVQCache
 from .chunked import KVQChunkedCache
@@ -128,12 +129,15 @@ REGISTRY: dict[type, CacheKind] = {
     KVQDeepseekV41Cache: CacheKind("layer", _same, lambda c: c.window_size, one_sequence=True),
 }
 
-# Model-specific cache classes, declared by qualified name (no model module is
-# imported for this). Their fields are planned one by one (see plan.py).
+
+def _own_kind(own: OwnCache) -> CacheKind:
+    return CacheKind("layer", None, lambda c: getattr(c, own.window_attribute), one_sequence=True)
+
+
+# Model-specific cache classes (`model_facts.OwnCache`), by qualified name (no
+# model module is imported for this). Their fields are planned one by one (see plan.py).
 BY_NAME: dict[str, CacheKind] = {
-    "mlx_lm.models.deepseek_v41.LayerCache": CacheKind(
-        "layer", None, lambda c: c.window_size, one_sequence=True
-    ),
+    f.own_cache.qualname: _own_kind(f.own_cache) for f in FACTS.values() if f.own_cache
 }
 
 # Our own caches: already what a plan builds.
@@ -229,17 +233,11 @@ def register_for_prompt_files() -> None:
 
 
 # -- the paged layout -------------------------------------------------------------
-# Models whose attention takes mask arrays it builds itself, laid out for a
-# padded batch: their layers keep the padded layout (paged attention derives
-# masks from positions).
-UNPAGED_MODELS: dict[str, str] = {
-    "minimax_m3_vl": "its sparse attention passes its own top-k mask arrays",
-}
-
-
 def paging_refusal(model_type: str) -> str | None:
-    """Why a model keeps the padded layout (None: its pageable layers page)."""
-    return UNPAGED_MODELS.get(model_type)
+    """Why a model keeps the padded layout (None: its pageable layers page):
+    paged attention derives masks from positions, so a model whose attention
+    takes mask arrays laid out for a padded batch cannot page (`model_facts`)."""
+    return facts(model_type).unpaged
 
 
 def pages_slot(cache) -> bool:
