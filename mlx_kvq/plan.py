@@ -431,9 +431,7 @@ def model_from_config(config: dict | str | Path) -> nn.Module:
         path = path / "config.json" if path.is_dir() else path
         config = json.loads(path.read_text())
     model_class, args_class = model_classes(config)
-    model = model_class(args_class.from_dict(config))
-    attention.install()  # modules imported just now bind mlx-lm's attention: redirect them
-    return model
+    return model_class(args_class.from_dict(config))
 
 
 def _probe(model, caches: list, prefill: int = 2) -> tuple[object, list]:
@@ -474,7 +472,7 @@ def plan_kv(
         if isinstance(model_or_config, nn.Module)
         else model_from_config(model_or_config)
     )
-    attention.install()
+    attention.install()  # what its caches hand attention, only ours reads
     model_type = model_type_of(model)
     refused = facts(model_type).refused
     if cfg.enabled and refused:

@@ -2,7 +2,8 @@
 
 Each case runs in a fresh interpreter (the suite itself runs on the fast
 BLAS, tests/conftest.py): the same mlx-lm computation, with and without
-`import mlx_kvq`, must give the same bits.
+`import mlx_kvq`, must give the same bits, and importing any module of the
+package leaves mlx-lm's functions and module attributes as they were.
 """
 
 from __future__ import annotations
@@ -82,12 +83,86 @@ def _run(first: str, code: str = MODELS, env: dict[str, str] | None = None) -> d
 
 def test_mlx_lm_computes_the_same_bits_with_and_without_the_import():
     """mlx-lm's gemma3n chunking test keeps its outcome, and float32 logits
-    keep every bit, whether `mlx_kvq` (or its generation entry points, which
-    install the attention redirect) is imported or not."""
+    keep every bit, whether `mlx_kvq` is imported or not."""
     without = _run("")
     assert without["gemma3n_chunking_allclose"] is True, without
     assert _run("import mlx_kvq") == without
-    assert _run("import mlx_kvq, mlx_kvq.generate") == without
+
+
+# Every mlx_kvq module imported one after another (entry points `__main__`
+# aside, which run a command), each checked against what mlx-lm's modules
+# held before: its entry points, its caches and attention, and model modules
+# of each attention layout (the redirect rewrites the model modules already
+# imported). Prints what changed, by the importing module.
+EVERY_MODULE = r"""
+import importlib, json, pkgutil, sys
+for name in ("mlx_lm.generate", "mlx_lm.server", "mlx_lm.sample_utils", "mlx_lm.utils",
+             "mlx_lm.models.base", "mlx_lm.models.cache", "mlx_lm.models.llama",
+             "mlx_lm.models.gemma3_text", "mlx_lm.models.gemma3n", "mlx_lm.models.gpt_oss",
+             "mlx_lm.models.deepseek_v41"):
+    importlib.import_module(name)
+
+def snapshot():
+    out = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "mlx_lm" or name.startswith("mlx_lm.")):
+            continue
+        attrs = {k: id(v) for k, v in vars(module).items()}
+        for k, v in vars(module).items():
+            if isinstance(v, type) and v.__module__ == name:
+                attrs.update({f"{k}.{m}": id(x) for m, x in vars(v).items()})
+        out[name] = attrs
+    return out
+
+import mlx_kvq
+before = snapshot()
+changed = {}
+names = [m.name for m in pkgutil.walk_packages(mlx_kvq.__path__, "mlx_kvq.")]
+for name in [n for n in names if not n.endswith("__main__")]:
+    importlib.import_module(name)
+    after = snapshot()
+    for mod, attrs in after.items():
+        was = before.get(mod)
+        if was is None:
+            continue
+        diff = sorted(k for k in set(was) | set(attrs) if was.get(k) != attrs.get(k))
+        if diff:
+            changed[name] = changed.get(name, []) + [f"{mod}: {d}" for d in diff]
+    before = after
+print(json.dumps({"modules": len(names), "changed": changed}))
+"""
+
+
+def test_importing_any_module_leaves_mlx_lm_as_it_was():
+    """No module of the package rewrites mlx-lm when imported: neither its
+    attention function (in `base` and in the model modules already loaded)
+    nor its cache module's names; planning and making caches do that."""
+    out = _run("", EVERY_MODULE)
+    assert out["modules"] > 90, out
+    assert out["changed"] == {}, out["changed"]
+
+
+def test_planning_redirects_attention_and_registers_the_cache_classes():
+    """What imports no longer do, the code paths that need it do: a plan
+    redirects mlx-lm's attention, the first cache makes our classes loadable
+    by name from mlx-lm prompt files."""
+    code = (
+        "import json\n"
+        "import mlx_lm.models.base as base, mlx_lm.models.cache as cache\n"
+        "from mlx_kvq import attention, plan\n"
+        "from mlx_kvq.caches import KVQFullCache\n"
+        "from mlx_kvq.config import QuantSpec\n"
+        "first = [base.scaled_dot_product_attention is attention.MLX_LM_ATTENTION,\n"
+        "         hasattr(cache, 'KVQFullCache')]\n"
+        "plan.plan_kv({'model_type': 'llama', 'hidden_size': 16, 'num_hidden_layers': 1,\n"
+        "              'intermediate_size': 32, 'num_attention_heads': 2,\n"
+        "              'rms_norm_eps': 1e-5, 'vocab_size': 16})\n"
+        "KVQFullCache(QuantSpec(4), QuantSpec(4))\n"
+        "then = [base.scaled_dot_product_attention is attention.scaled_dot_product_attention,\n"
+        "        cache.KVQFullCache is KVQFullCache]\n"
+        "print(json.dumps({'first': first, 'then': then}))\n"
+    )
+    assert _run("", code) == {"first": [True, False], "then": [True, True]}
 
 
 @linux

@@ -33,12 +33,6 @@ from .registry import (
 )
 from .window import KVQBatchWindowCache, KVQWindowCache
 
-# mlx-lm's prompt files must resolve our classes by name: registered whenever
-# the caches are imported, so `import mlx_kvq` alone stays light. (The caches
-# hand attention packed K/V that only mlx-kvq's attention reads: importing
-# `mlx_kvq.attention`, which the planner does, installs that redirect.)
-register_for_prompt_files()
-
 __all__ = [
     "BlockPool",
     "KVQPagedFullCache",

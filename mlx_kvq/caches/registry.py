@@ -17,7 +17,7 @@ from ..config import QuantSpec
 from ..mlx_lm_internals import batch_cursor
 from ..model_facts import FACTS, OwnCache, facts
 from ..quant import Store
-from .base import PACKED, KVQCache
+from .base import PACKED, KVQCache, on_first_cache
 from .chunked import KVQChunkedCache
 from .deepseek_v41 import (
     KVQCompressedRows,
@@ -226,10 +226,14 @@ PROMPT_FILE_CLASSES: dict[str, type] = {
 
 def register_for_prompt_files() -> None:
     """Make our classes resolvable where mlx-lm's `load_prompt_cache` looks
-    them up (`globals()` of `mlx_lm.models.cache`)."""
+    them up (`globals()` of `mlx_lm.models.cache`): done when the process
+    makes its first mlx-kvq cache, or loads a prompt file, never at import."""
     for name, cls in PROMPT_FILE_CLASSES.items():
-        if cls.__module__.startswith("mlx_kvq."):
+        if cls.__module__.startswith("mlx_kvq.") and getattr(mlx_cache, name, None) is not cls:
             setattr(mlx_cache, name, cls)
+
+
+on_first_cache(register_for_prompt_files)
 
 
 # -- the paged layout -------------------------------------------------------------
