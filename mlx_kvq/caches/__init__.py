@@ -16,20 +16,17 @@ from .paged import (
     Pages,
     PagesStats,
 )
+from .paged.convert import held_bytes, mapped_blocks, page_caches, pages_slot, unpage_caches
 from .registry import (
     PROMPT_FILE_CLASSES,
     REGISTRY,
     is_twin,
     leaves,
     lookup,
-    mapped_blocks,
-    page_caches,
-    pages_slot,
     paging_refusal,
     quantize_cache,
     register_for_prompt_files,
     report_leaves,
-    unpage_caches,
 )
 from .window import KVQBatchWindowCache, KVQWindowCache
 
@@ -41,6 +38,7 @@ __all__ = [
     "PagedCache",
     "Pages",
     "PagesStats",
+    "held_bytes",
     "mapped_blocks",
     "page_caches",
     "pages_slot",

@@ -31,6 +31,7 @@ from mlx_kvq.caches import (
     Pages,
     PagesStats,
     cache_report,
+    held_bytes,
     mapped_blocks,
     page_caches,
     paging_refusal,
@@ -193,7 +194,7 @@ class BatchRunner:
         refer to, and free blocks (0 without the paged layout)."""
         if self.pages is None:
             return 0
-        return self.pages.nbytes - self.pages.held_bytes(self.caches())
+        return self.pages.nbytes - held_bytes(self.caches())
 
     def insert(
         self,
@@ -278,7 +279,7 @@ class BatchRunner:
         if self.pages is not None:
             batch = [] if self._bg is None else batch_caches(self._bg)
             own = sum(c.nbytes for c in batch if not getattr(c, "shares_storage", False))
-            return self.pages.held_bytes(batch) + own + lane
+            return held_bytes(batch) + own + lane
         batch = 0 if self._bg is None else self._bg.prompt_cache_nbytes
         return batch + lane
 
