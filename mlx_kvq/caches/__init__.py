@@ -16,7 +16,15 @@ from .paged import (
     Pages,
     PagesStats,
 )
-from .paged.convert import held_bytes, mapped_blocks, page_caches, pages_slot, unpage_caches
+from .paged.blocks import CACHE, blocks_held
+from .paged.convert import (
+    cached_only_bytes,
+    keep_in_prompt_cache,
+    mapped_blocks,
+    page_caches,
+    pages_slot,
+    unpage_caches,
+)
 from .registry import (
     PROMPT_FILE_CLASSES,
     REGISTRY,
@@ -38,7 +46,10 @@ __all__ = [
     "PagedCache",
     "Pages",
     "PagesStats",
-    "held_bytes",
+    "CACHE",
+    "blocks_held",
+    "cached_only_bytes",
+    "keep_in_prompt_cache",
     "mapped_blocks",
     "page_caches",
     "pages_slot",

@@ -46,7 +46,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import StopSequences
 
-from mlx_kvq.caches import cache_report, mapped_blocks
+from mlx_kvq.caches import cache_report
 from mlx_kvq.config import PAGED_BLOCK_SIZE, KVConfig
 from mlx_kvq.plan import KV_KINDS, KVPlan
 
@@ -246,11 +246,9 @@ class Engine:
             self._eos, draft,
         )  # fmt: skip
         self.memory = KVMemory(
-            ledger, self.prompt_cache, prompt_cache_bytes=o.prompt_cache_bytes,
-            draft_cost=draft_cost, live_bytes=self.runner.live_bytes,
-            cached_bytes=self._cached_bytes if self.runner.pages is not None else None,
-            lane_cost=lane_cost, between_steps=self.runner.compact,
-            shared_prefix=self._shared_prefix if self._all_paged() else None,
+            ledger, self.prompt_cache, pages=self.runner.pages,
+            prompt_cache_bytes=o.prompt_cache_bytes, draft_cost=draft_cost,
+            live_bytes=self.runner.live_bytes, lane_cost=lane_cost,
         )  # fmt: skip
         self.scheduler = Scheduler(
             Limits(o.decode_concurrency, o.prompt_concurrency), self.memory, lane=draft is not None
@@ -595,7 +593,6 @@ class Engine:
         cache, cached = self.prompt_cache.fetch(tokens)
         if cache is None:
             cache, cached = self.plan.make_cache(), 0
-        self.memory.mapped(seq.id, cached)
         if seq.preemptions == 0:
             seq.cached = cached
             self.metrics.record_cached_tokens(cached)
@@ -610,6 +607,7 @@ class Engine:
         reused = self.runner.insert(
             seq, pieces, cache, tokens[:cached], seq.max_tokens - len(seq.generated)
         )
+        self.memory.inserted(seq.id)
         if reused:
             self.metrics.count_prefix_blocks(reused)
             log.info(
@@ -884,31 +882,6 @@ class Engine:
         )  # fmt: skip
 
     # ------------------------------------------------------- memory and metrics
-    def _all_paged(self) -> bool:
-        """Every KV layer is in block pools (a prefix mapped by reference then holds
-        nothing twice)."""
-        kv = {(p.slot, p.member) for p in self.plan.kv_layers}
-        return bool(kv) and kv <= self.layout.paged
-
-    def _shared_prefix(self, request_id: int) -> tuple[tuple[int, ...], int] | None:
-        """The prompt-cache entry a waiting request will map by reference, and the
-        whole blocks of tokens it shares with it (None if none)."""
-        seq = next((s for s in self.scheduler.waiting if s.id == request_id), None)
-        if seq is None:
-            return None
-        found = self.prompt_cache.peek(seq.tokens)
-        if found is None or mapped_blocks(found[2]) == 0:
-            return None
-        key, n, _ = found
-        n -= n % self.layout.block_size
-        return (key[:n], n) if n else None
-
-    def _cached_bytes(self) -> int:
-        """What the prompt cache holds beyond the live sequences, paged layout:
-        its entries' own caches, the pool blocks no live sequence refers to and
-        the pools' free blocks."""
-        return self.prompt_cache.storage_nbytes() + self.runner.pool_rest_bytes()
-
     def _agree_budget(self) -> None:
         """Every rank's share of the budget (this process's alone, unless in a
         group), and the capacity line."""

@@ -93,13 +93,14 @@ class Sequence:
         """The most tokens the sequence can reach."""
         return len(self.request.prompt) + self.max_tokens
 
-    def need(self, lane: bool = False) -> Need:
+    def need(self, lane: bool = False, admitting: bool = False) -> Need:
         """What the sequence needs from memory for its next step (`lane`: on the
         speculative lane, which adds up to `draft_tokens` + 1 tokens a step and
-        keeps as many rewound tokens)."""
+        keeps as many rewound tokens; `admitting`: with the tokens it starts from)."""
         k = self.request.draft_tokens + 1 if lane else 0
         n = len(self.request.prompt) + len(self.generated)
-        return Need(self.id, n, n, max(1, k), self.limit, k)
+        tokens = self.tokens if admitting else ()
+        return Need(self.id, n, n, max(1, k), self.limit, k, tokens)
 
 
 @dataclass(frozen=True)
@@ -238,7 +239,12 @@ class Scheduler:
         while self.waiting:
             seq = self.waiting[0]
             idle = not self.running and len(self.waiting) == 1
-            if self.lane and seq.speculative and idle and self.memory.admit(seq.need(lane=True)):
+            if (
+                self.lane
+                and seq.speculative
+                and idle
+                and self.memory.admit(seq.need(lane=True, admitting=True))
+            ):
                 self._start(self.waiting.popleft(), lane=True)
                 speculate = seq
                 continue
@@ -250,7 +256,9 @@ class Scheduler:
                 lane_seq.status = RequestStatus.PREFILLING  # its rest goes through the prompt batch
                 self.memory.to_batch(lane_seq.id)
                 to_batch = lane_seq
-            if self.prefilling() >= self.limits.prompt_rows or not self.memory.admit(seq.need()):
+            if self.prefilling() >= self.limits.prompt_rows or not self.memory.admit(
+                seq.need(admitting=True)
+            ):
                 break
             self._start(self.waiting.popleft())
             admitted.append(seq)

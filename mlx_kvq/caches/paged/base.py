@@ -144,23 +144,24 @@ class KVQPagedSequence(PagedCache):
         self.window = window
         self.tables = [table or BlockTable(pool)]
 
-    @classmethod
-    def holding(cls, pool: BlockPool, window: int | None, keys: Store, values: Store, end: int):
-        """A sequence whose tokens `[end - n, end)` are `keys`/`values` (1, H, n, D),
-        written into new blocks of `pool` (a cache of another layout, paged)."""
+    def hold(self, keys: Store, values: Store, end: int) -> None:
+        """Hold tokens `[end - n, end)`, `keys`/`values` (1, H, n, D), written into
+        new blocks of the pool (what a cache of another layout held); the
+        table is empty before."""
         n = keys.length
         start = end - n
-        table = BlockTable(pool, [], start - start % pool.block_size, start)
+        pool = self.pool
+        t = self.table
+        t.base, t.length = start - start % pool.block_size, start
         k = keys.quantize(pool.key_spec)
         v = values.quantize(pool.value_spec)
         if n:
-            blocks, slots = table.reserve(n, k, v)
+            blocks, slots = t.reserve(n, k, v)
 
             def tokens(a: mx.array) -> mx.array:
                 return a[0].transpose(1, 0, 2)
 
             pool.write(blocks, slots, k.map(tokens), v.map(tokens))
-        return cls(pool, window, table)
 
     def held(self) -> tuple[Store, Store]:
         """The tokens this sequence holds, `(1, H, n, D)` stores in pool order

@@ -14,8 +14,9 @@ from ..base import PACKED
 from ..full import KVQFullCache
 from ..registry import leaves, lookup
 from ..window import KVQWindowCache
-from .base import KVQPagedSequence, PagedCache
-from .pool import BlockPool, Pages
+from .base import KVQPagedSequence
+from .blocks import CACHE, Account, chain_hashes
+from .pool import Pages
 
 
 def pages_slot(cache) -> bool:
@@ -36,28 +37,64 @@ def pages_slot(cache) -> bool:
     )
 
 
-def _page_leaf(cache, key: tuple[int, int | None], pages: Pages):
-    if isinstance(cache, KVQPagedSequence) or not pages_slot(cache):
+def _page_leaf(cache, key: tuple[int, int | None], pages: Pages, account: Account):
+    if isinstance(cache, KVQPagedSequence):
+        cache.table.hold_for(account)
         return cache
-    pool = pages.pool(key, cache.key_spec, cache.value_spec)
+    if not pages_slot(cache):
+        return cache
     window = lookup(cache).window(cache)
+    pool = pages.pool(key, cache.key_spec, cache.value_spec, window)
+    paged = KVQPagedSequence(pool, window)
+    paged.table.hold_for(account)
     held = cache.held()
-    if held is None:
-        return KVQPagedSequence(pool, window)
-    return KVQPagedSequence.holding(pool, window, *held, cache.offset)
+    if held is not None:
+        paged.hold(*held, cache.offset)
+    return paged
 
 
-def page_caches(caches: list, pages: Pages) -> list:
+def page_caches(caches: list, pages: Pages, account: Account = None) -> list:
     """One sequence's caches with every pageable slot in `pages`' pools (tokens
-    a cache of another layout holds are written into new blocks)."""
+    a cache of another layout holds are written into new blocks), its blocks
+    held for `account` (the request)."""
     out = []
     for slot, c in enumerate(caches):
         if type(c) is mlx_cache.CacheList:
-            members = [_page_leaf(m, (slot, i), pages) for i, m in enumerate(c.caches)]
+            members = [_page_leaf(m, (slot, i), pages, account) for i, m in enumerate(c.caches)]
             out.append(mlx_cache.CacheList(*members))
         else:
-            out.append(_page_leaf(c, (slot, None), pages))
+            out.append(_page_leaf(c, (slot, None), pages, account))
     return out
+
+
+def _paged_leaves(caches: list) -> list[KVQPagedSequence]:
+    return [leaf for c in caches for leaf in leaves(c) if isinstance(leaf, KVQPagedSequence)]
+
+
+def keep_in_prompt_cache(caches: list, tokens: list[int]) -> None:
+    """One sequence's caches become a prompt-cache entry covering `tokens`:
+    their blocks are the prompt cache's (it yields them first), and their full
+    blocks are found by the tokens they hold (`Pages.match`)."""
+    paged = _paged_leaves(caches)
+    if not paged:
+        return
+    hashes = chain_hashes(tokens, paged[0].pool.block_size)
+    for leaf in paged:
+        leaf.table.hold_for(CACHE)
+        blocks, first = leaf.table.full_blocks()
+        leaf.pool.allocator.register(blocks, hashes[first : first + len(blocks)])
+
+
+def cached_only_bytes(caches: list) -> int:
+    """Bytes of the blocks `caches` refer to that only the prompt cache holds
+    (each once)."""
+    blocks: dict[int, tuple] = {}
+    for leaf in _paged_leaves(caches):
+        a = leaf.pool.allocator
+        ids = {b for b in leaf.table.ids if a.refs[b] == a.cache_refs[b]}
+        pool, held = blocks.get(id(leaf.pool), (leaf.pool, set()))
+        blocks[id(leaf.pool)] = (pool, held | ids)
+    return sum(len(ids) * pool.block_bytes for pool, ids in blocks.values())
 
 
 def _unpage_leaf(cache):
@@ -97,16 +134,11 @@ def mapped_blocks(caches: list) -> int:
     )
 
 
-def held_bytes(caches: list) -> int:
-    """Bytes of the pool blocks `caches` (and their members) refer to, each once."""
-    blocks: dict[int, set[int]] = {}
-    pools: dict[int, BlockPool] = {}
-    for c in caches:
-        for leaf in leaves(c):
-            if isinstance(leaf, PagedCache):
-                pools[id(leaf.pool)] = leaf.pool
-                blocks.setdefault(id(leaf.pool), set()).update(leaf.blocks())
-    return sum(len(ids) * pools[k].block_bytes for k, ids in blocks.items())
-
-
-__all__ = ["held_bytes", "mapped_blocks", "page_caches", "pages_slot", "unpage_caches"]
+__all__ = [
+    "cached_only_bytes",
+    "keep_in_prompt_cache",
+    "mapped_blocks",
+    "page_caches",
+    "pages_slot",
+    "unpage_caches",
+]

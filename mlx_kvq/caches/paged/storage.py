@@ -42,6 +42,12 @@ class BlockStorage:
         """`keys`/`values` (B, H, N, D) stored as this storage stores them."""
         return Store.encode(keys, self.key_spec), Store.encode(values, self.value_spec)
 
+    def bytes_per_block(self, k: Store, v: Store) -> int:
+        """Bytes one block takes, for tokens stored like `k`/`v` (B, H, N, D')."""
+        return self.block_size * sum(
+            a.shape[1] * a.shape[-1] * a.itemsize for a in (*k.parts, *v.parts)
+        )
+
     def grow(self, add: int, k: Store, v: Store) -> None:
         """`add` more (zeroed) blocks, shaped like `k`/`v` per token."""
 
