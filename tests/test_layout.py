@@ -343,3 +343,11 @@ def test_no_number_is_restated_from_another_module():
         if (m := _NUMBER.match(line)) and _POINTS_ELSEWHERE.search(m.group("c"))
     ]
     assert not restated, "\n".join(restated)
+
+
+def test_the_engine_is_its_thread_and_step_loop():
+    """`Engine` drives its parts (built in engine/build.py); it does not grow
+    into them: under 300 lines."""
+    tree = ast.parse((PACKAGE / "engine" / "engine.py").read_text())
+    (engine,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine"]
+    assert engine.end_lineno - engine.lineno < 300

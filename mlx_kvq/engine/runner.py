@@ -225,6 +225,19 @@ class BatchRunner:
         out = self._bg.remove(uids, return_prompt_caches=keep_caches)
         return {by_uid[uid].id: v for uid, v in out.items()}
 
+    def forget_row(self, uid: int) -> None:
+        """mlx-lm's batch took row `uid` out itself (its sequence finished)."""
+        seq = self.rows.pop(uid, None)
+        if seq is not None:
+            seq.uid = None
+
+    def discard(self, seq: Sequence) -> None:
+        """`seq` leaves wherever it runs (a batch row, the lane), its caches dropped."""
+        if seq.uid is not None:
+            self.remove([seq])
+        elif self.on_lane(seq):
+            self.lane.drop()
+
     def take_out(self, seq: Sequence) -> Taken:
         """Take `seq` out for preemption: its cache, the tokens it holds, and the
         token already sampled for it (see the module docstring)."""
@@ -255,6 +268,11 @@ class BatchRunner:
     @property
     def lane_busy(self) -> bool:
         return self.lane is not None and self.lane.busy
+
+    def on_lane(self, seq: Sequence) -> bool:
+        """Whether the speculative lane holds `seq`'s caches (the one answer to
+        where a sequence runs besides its batch row, `seq.uid`)."""
+        return self.lane is not None and self.lane.owner is seq
 
     def caches(self) -> list:
         """Every cache live sequences hold: the batch's and the speculative lane's."""
