@@ -200,7 +200,12 @@ class Pair:
         q = self.data.q(b, n)
         self.ours.prepare(lengths=lengths, right_padding=pad)
         self.ref.prepare(lengths=lengths, right_padding=pad)
+        before = [t.length for t in self.ours.tables]
         got = _ours(self.ours, q, k, v, self.native)
+        # the padding is never written: each row holds its own tokens only
+        assert [t.length for t in self.ours.tables] == [
+            b + x for b, x in zip(before, lengths, strict=True)
+        ]
         want = _reference(self.ref, q, k, v, self.kspec, self.vspec)
         self.ours.finalize()
         self.ref.finalize()

@@ -124,10 +124,13 @@ class CostModel:
         )  # fmt: skip
 
     # -- the paged slots ---------------------------------------------------------
-    def promise(self, shape: Shape, prompting: bool) -> dict[tuple[int, int | None], int]:
+    def promise(
+        self, shape: Shape, prompting: bool, cached: int = 0
+    ) -> dict[tuple[int, int | None], int]:
         """The blocks one sequence holds at most in each paged slot's pool (in
-        its prompt, a window holds a prompt chunk besides)."""
-        chunk = min(self.prefill_step, shape.prompt) if prompting else 1
+        its prompt, a window holds a prompt chunk besides: of the tokens after
+        the `cached` it starts from)."""
+        chunk = min(self.prefill_step, max(1, shape.prompt - cached)) if prompting else 1
         return {
             s.key: blocks_held(shape.total, self.block_size, s.window, chunk)
             for s in self.slots

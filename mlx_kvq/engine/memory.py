@@ -126,10 +126,13 @@ class KVMemory:
     def _first_total(self, need: Need) -> int:
         return max(need.prompt + need.step, min(need.limit, need.prompt + self.reserve))
 
-    def _promise(self, request_id: int, shape: Shape, prompting: bool, copies: int = 0) -> None:
-        """The blocks `shape` holds at most, per pool, and `copies` more each
-        (a shared block partly filled, copied before it is written)."""
-        blocks = self.ledger.share.cost.promise(shape, prompting)
+    def _promise(
+        self, request_id: int, shape: Shape, prompting: bool, copies: int = 0, cached: int = 0
+    ) -> None:
+        """The blocks `shape` holds at most, per pool (starting from `cached`
+        tokens), and `copies` more each (a shared block partly filled, copied
+        before it is written)."""
+        blocks = self.ledger.share.cost.promise(shape, prompting, cached)
         self.pages.promise(request_id, {k: n + copies for k, n in blocks.items()})
 
     def admit(self, need: Need) -> bool:
@@ -138,12 +141,13 @@ class KVMemory:
         shape, extra = self._shape(need, self._first_total(need))
         paged = self.pages is not None and not need.keep
         if paged:
-            copies = 0
+            copies = cached = 0
             if need.tokens and not self.group:
                 self.pages.claim(need.request_id, need.tokens)
                 found = self.prompt_cache.peek(list(need.tokens))
-                copies = int(found is not None and found[1] % self.pages.block_size != 0)
-            self._promise(need.request_id, shape, True, copies)
+                cached = 0 if found is None else found[1]
+                copies = int(cached % self.pages.block_size != 0)
+            self._promise(need.request_id, shape, True, copies, cached)
         if not self.ledger.fits(shape, extra or 0):
             if paged:
                 self.pages.close(need.request_id)

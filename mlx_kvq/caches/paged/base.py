@@ -210,8 +210,8 @@ class _TableArray:
 
     __slots__ = ("ids", "lent", "renumbered")
 
-    def __init__(self, tables: list[BlockTable], renumbered: int):
-        width = max((len(t.ids) for t in tables), default=0)
+    def __init__(self, tables: list[BlockTable], renumbered: int, width: int = 0):
+        width = max(width, max((len(t.ids) for t in tables), default=0))
         self.renumbered = renumbered
         self.ids = np.zeros((len(tables), width + 8), dtype=np.int32)
         self.lent = False
@@ -247,8 +247,11 @@ class PagedBatch(PagedCache):
         self.pool = pool
         self.window = window
         self.tables: list[BlockTable] = []
-        self._limits: list[int] | None = None  # real row ends between prepare and finalize
-        self._pad: list[int] | None = None
+        # between prepare and finalize (a prompt chunk right-padded to its longest
+        # row): each row's real end, and the padding positions passed so far,
+        # which are never written (a row holds its own tokens only)
+        self._limits: list[int] | None = None
+        self._padded: list[int] | None = None
         self._table_array: _TableArray | None = None
         self.offset = mx.array([], dtype=mx.int32)
 
@@ -258,10 +261,12 @@ class PagedBatch(PagedCache):
         self._table_array = None
         self.offset = mx.array([t.length for t in self.tables], dtype=mx.int32)
 
-    def _tables(self) -> _TableArray:
+    def _tables(self, width: int = 0) -> _TableArray:
+        """The table array, at least `width` blocks wide (a padded row's view
+        reaches past its blocks: those entries are read for padding queries only)."""
         ta = self._table_array
-        if ta is None or ta.renumbered != self.pool.renumbered:
-            ta = self._table_array = _TableArray(self.tables, self.pool.renumbered)
+        if ta is None or ta.renumbered != self.pool.renumbered or ta.ids.shape[1] < width:
+            ta = self._table_array = _TableArray(self.tables, self.pool.renumbered, width)
         return ta
 
     def _row_changed(self, i: int) -> None:
@@ -291,13 +296,16 @@ class PagedBatch(PagedCache):
             raise ValueError(f"paged batch has {len(self.tables)} rows, got {B}")
         self._keep()
         k, v = self.pool.encode(keys, values)
-        blocks, slots = self._reserve(N, k, v)
 
         def tokens(a: mx.array) -> mx.array:
             return a.transpose(0, 2, 1, 3).reshape(B * N, a.shape[1], a.shape[-1])
 
-        self.pool.write(blocks, slots, k.map(tokens), v.map(tokens))
-        ends = [t.length for t in self.tables]
+        if self._limits is None:
+            blocks, slots = self._reserve(N, k, v)
+            self.pool.write(blocks, slots, k.map(tokens), v.map(tokens))
+            ends = [t.length for t in self.tables]
+        else:
+            ends = self._write_padded(N, k.map(tokens), v.map(tokens))
         self.offset = mx.array(ends, dtype=mx.int32)
         out = self._view(ends)
         # The view above holds its own copy of the tables and the pool's arrays
@@ -335,9 +343,32 @@ class PagedBatch(PagedCache):
             slots.append(slot)
         return blocks, slots
 
+    def _write_padded(self, N: int, k: Store, v: Store) -> list[int]:
+        """Write a right-padded chunk (`k`/`v`: its B * N tokens, row after row):
+        each row's real tokens only; returns where each row's positions end,
+        padding included (its queries' positions)."""
+        blocks, slots, taken, ends = [], [], [], []
+        for i, t in enumerate(self.tables):
+            at = t.length + self._padded[i]
+            real = max(0, min(N, self._limits[i] - at))
+            if real:
+                b, s = t.reserve(real, k, v)
+                blocks += b
+                slots += s
+                taken += range(i * N, i * N + real)
+            self._padded[i] += N - real
+            ends.append(at + N)
+        if taken:
+            rows = mx.array(taken, dtype=mx.int32)
+            self.pool.write(blocks, slots, k.map(lambda a: a[rows]), v.map(lambda a: a[rows]))
+        self._table_array = None
+        return ends
+
     def _view(self, ends: list[int]) -> tuple[PagedKV, PagedKV]:
         bases = [t.base for t in self.tables]
-        return self.pool.view(self._tables().lend(), bases, ends, self.window)
+        bs = self.pool.block_size
+        width = max((-(-(e - b) // bs) for b, e in zip(bases, ends, strict=True)), default=0)
+        return self.pool.view(self._tables(width).lend(), bases, ends, self.window)
 
     def keys_and_values(self):
         """The rows as attention receives them."""
@@ -358,14 +389,12 @@ class PagedBatch(PagedCache):
         if left_padding is not None and max(left_padding) > 0:
             raise ValueError("paged caches take no left padding")
         if right_padding is not None and max(right_padding) > 0:
-            self._pad = list(right_padding)
             self._limits = [t.length + n for t, n in zip(self.tables, lengths, strict=True)]
+            self._padded = [0] * len(self.tables)
 
     def finalize(self) -> None:
-        if self._pad is not None:
-            for t, p in zip(self.tables, self._pad, strict=True):
-                t.trim(p)
-            self._pad = self._limits = None
+        if self._limits is not None:  # the padding was never written: nothing to cut
+            self._padded = self._limits = None
             self._sync()
 
     def size(self) -> int:
