@@ -46,6 +46,7 @@ class Admission:
         max_context: int | None,
         max_queued: int | None,
         speculation: bool,
+        keeps_prompts: bool,
     ):
         self.memory = memory
         self.metrics = metrics
@@ -55,6 +56,7 @@ class Admission:
         self.max_context = max_context
         self.max_queued = max_queued
         self.speculation = speculation  # a draft model is loaded
+        self.keeps_prompts = keeps_prompts  # the prompt cache keeps copies of prompts
 
     def max_tokens(self, request: GenerationRequest) -> int:
         """The request's token limit, clamped to the context the plan allows."""
@@ -131,6 +133,10 @@ class Admission:
             seq.processors = make_processors(request.params, self.grammars)
         except Exception as e:  # noqa: BLE001 - this request's settings, not the engine
             return seq, e
+        if self.keeps_prompts:  # where its prefill will store copies (refined when inserted)
+            n = len(request.prompt)
+            cuts = {c.length for c in request.checkpoints if 0 < c.length < n - 1}
+            seq.cuts_at = tuple(sorted(cuts | {n - 1}))
         seq.speculative = (
             self.speculation
             and request.draft_tokens > 0

@@ -149,6 +149,7 @@ def build(
     admission = Admission(
         memory, metrics, tokenizer, grammars, samplers, max_context=o.max_context,
         max_queued=o.max_queued_requests, speculation=draft is not None,
+        keeps_prompts=o.prompt_cache_size > 0,
     )  # fmt: skip
     eos_ids = frozenset(tokenizer.eos_token_ids)
     output = OutputProcessor(

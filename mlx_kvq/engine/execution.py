@@ -27,6 +27,7 @@ next to its own is decoded in the batch.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -157,6 +158,10 @@ class PlanExecutor:
         checkpoints = () if resumed else self._checkpoints(seq.request)
         pieces, cuts = split_prompt(tokens, cached, checkpoints)
         seq.cuts = deque(cuts)
+        seq.cuts_at = ()
+        if not resumed and self.prompt_cache.max_entries:  # where its prefill stores copies
+            ends = itertools.accumulate(len(p) for p in pieces[:-1])
+            seq.cuts_at = (*(cached + n for n in ends), len(tokens) - 1)
         reused = self.runner.insert(
             seq, pieces, cache, tokens[:cached], seq.max_tokens - len(seq.generated)
         )

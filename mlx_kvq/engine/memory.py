@@ -73,6 +73,9 @@ class Memory(Protocol):
     def to_batch(self, request_id: int) -> None:
         """The lane's sequence moves into the batch (its draft caches are freed)."""
 
+    def covered(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` a sequence starting now finds cached."""
+
 
 class KVMemory:
     """`Memory` over a `Ledger` (None: no budget, everything fits), the block
@@ -204,6 +207,10 @@ class KVMemory:
         shape = self.ledger.shapes.get(request_id)
         if self.pages is not None and shape is not None:
             self._promise(request_id, shape, True)  # its caches go into the pools
+
+    def covered(self, tokens: Sequence[int]) -> int:
+        found = self.prompt_cache.peek(list(tokens))
+        return 0 if found is None else found[1]
 
     def verdict(self, need: Need) -> Verdict | None:
         """Whether a request's prompt and decode reserve fit the budget even
