@@ -410,7 +410,9 @@ def load_eval_inputs(model_path: str | None, text_paths: Sequence[Path] | None):
         texts = demo.demo_texts(name)
     else:
         raise ValueError("--text is required with --model (no evaluation text is known for it)")
-    model, tokenizer = load(demo.resolve_model(model_path)[0])
+    from .from_gguf import as_directory
+
+    model, tokenizer = load(as_directory(demo.resolve_model(model_path)[0])[0])
     out = {}
     for name, path in texts.items():
         text = Path(path).read_text()

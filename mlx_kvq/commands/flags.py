@@ -70,7 +70,8 @@ def add_model_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="model directory or repo, or an embedded demo model: demo:gemma (hybrid "
+        help="model directory or repo, a GGUF file (converted once into a cache directory; "
+        "llama, qwen2, qwen3, gemma3), or an embedded demo model: demo:gemma (hybrid "
         "attention, the default) or demo:full (full attention on every layer)",
     )
 

@@ -20,7 +20,14 @@ from .flags import (
     check_draft_tokens,
     kv_config,
 )
-from .startup import check_sharding_early, kv_setting, load_model, model_source, refuse_early
+from .startup import (
+    check_sharding_early,
+    kv_setting,
+    load_model,
+    model_directory,
+    model_source,
+    refuse_early,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -97,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = kv_setting(args, source, model)
         if cache is not None:
             check_prompt_cache_settings(cache, cfg, args.prompt_cache_file)
-    draft = load(args.draft_model)[0] if args.draft_model else None
+    draft = None
+    if args.draft_model:
+        draft = load(model_directory(args.draft_model, "--draft-model")[0])[0]
     plan = get_plan(model, cfg) if cfg.enabled else None
     print(
         plan.table()

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from .flags import add_kv_flags, add_model_flag, kv_config
-from .startup import kv_setting, model_source
+from .startup import ModelSource, kv_setting, model_source
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,11 +21,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..from_gguf import is_gguf
     from ..plan import plan_kv
 
     kv_config(args)
-    source = model_source(args)
-    given = Path(source.location)
+    if is_gguf(args.model):  # planned from the file's metadata: no weights converted
+        given = gguf_config(args.model)
+        source = ModelSource(str(given.parent), args.model)
+    else:
+        source = model_source(args)
+        given = Path(source.location)
     if source.local_config is None and not given.is_file():
         raise FileNotFoundError(f"no config.json at {source.location}")
     cfg = kv_setting(args, source, given)
@@ -50,3 +55,15 @@ def run(args: argparse.Namespace) -> int:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
+
+
+def gguf_config(path: str) -> Path:
+    """A GGUF file's mlx-lm config.json, from its metadata alone (no weights
+    converted), in a temporary directory."""
+    import tempfile
+
+    from ..from_gguf import check
+
+    directory = Path(tempfile.mkdtemp(prefix="mlx-kvq-plan-"))
+    (directory / "config.json").write_text(json.dumps(check(path)))
+    return directory / "config.json"

@@ -40,6 +40,7 @@ from .startup import (
     check_sharding_early,
     kv_setting,
     load_model,
+    model_directory,
     model_source,
     tokenizer_config,
     use_default_chat_template,
@@ -408,7 +409,7 @@ def load_draft(args: argparse.Namespace, model, tokenizer, plan, kv):
     from ..speculative import check_speculation
 
     try:
-        draft_model, draft_tokenizer = load(args.draft_model)
+        draft_model, draft_tokenizer = load(model_directory(args.draft_model, "--draft-model")[0])
     except Exception as e:  # noqa: BLE001 - any load failure is a bad --draft-model
         raise ValueError(
             f"could not load the draft model from {args.draft_model}: {type(e).__name__}: {e}"

@@ -11,6 +11,7 @@ status 2 with the message.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,24 @@ def model_source(args: argparse.Namespace) -> ModelSource:
             f"the embedded demo model is not available in this installation ({e}); "
             "pass --model PATH"
         ) from None
+    location, conversion = model_directory(location, "--model")
+    if conversion is not None:
+        demo_id = Path(conversion.source).stem
     return ModelSource(location, served or demo_id or args.model, adapter)
+
+
+def model_directory(model: str, flag: str) -> tuple[str, Any]:
+    """A model location as `mlx_lm.load` takes it: a GGUF file is converted once
+    into the cache (`gguf.converted`) and its directory returned, with what the
+    conversion did, said on stderr; other locations pass through."""
+    from ..from_gguf import as_directory
+
+    location, conversion, fresh = as_directory(model)
+    if conversion is not None:
+        done = "converted to" if fresh else "converted earlier, in"
+        print(f"mlx-kvq: {flag} {model}: {done} {location}", file=sys.stderr)
+        print(f"mlx-kvq: {conversion.summary()}", file=sys.stderr)
+    return location, conversion
 
 
 def kv_setting(args: argparse.Namespace, source: ModelSource, model: Any = None) -> KVConfig:
