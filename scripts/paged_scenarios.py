@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=300, help="tokens each session generates")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--log", action="store_true", help="the engine's log on stderr")
+    ap.add_argument("--answers", help="write the sixteen answers' tokens to this JSON file")
     args = ap.parse_args()
     use_fast_blas()  # as the server runs
     if args.log:
@@ -145,6 +146,9 @@ def main() -> None:
     ledger = engine.budget
     s = engine.metrics.snapshot()
     extra = {}
+    if args.answers:
+        with open(args.answers, "w") as f:
+            json.dump([answers.get(i) for i in range(len(first) + len(rest))], f)
     if args.scenario != "mixed":
         # prompt tokens computed for the sixteen (the last one's last token included),
         # against one prefix and every session's own tokens
