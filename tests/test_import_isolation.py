@@ -72,21 +72,18 @@ print(json.dumps({
 
 
 def _run(first: str, code: str = MODELS, env: dict[str, str] | None = None) -> dict:
+    """What the code prints as JSON, its lines merged (`first` runs before it)."""
     environ = {k: v for k, v in os.environ.items() if k != blas.ENV}
     environ.update(env or {})
     out = subprocess.run(
         [sys.executable, "-c", f"{first}\n{code}"],
         check=True, capture_output=True, text=True, env=environ, timeout=300,
     )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def test_mlx_lm_computes_the_same_bits_with_and_without_the_import():
-    """mlx-lm's gemma3n chunking test keeps its outcome, and float32 logits
-    keep every bit, whether `mlx_kvq` is imported or not."""
-    without = _run("")
-    assert without["gemma3n_chunking_allclose"] is True, without
-    assert _run("import mlx_kvq") == without
+    merged = {}
+    for line in out.stdout.strip().splitlines():
+        if line.startswith("{"):
+            merged.update(json.loads(line))
+    return merged
 
 
 # Every mlx_kvq module imported one after another (entry points `__main__`
@@ -132,37 +129,40 @@ for name in [n for n in names if not n.endswith("__main__")]:
 print(json.dumps({"modules": len(names), "changed": changed}))
 """
 
+# Then what imports no longer do, the code paths that need it do: a plan
+# redirects mlx-lm's attention, the first cache makes our classes loadable by
+# name from mlx-lm prompt files.
+PLANNING = r"""
+import json
+import mlx_lm.models.base as base, mlx_lm.models.cache as cache
+from mlx_kvq import attention, plan
+from mlx_kvq.caches import KVQFullCache
+from mlx_kvq.config import QuantSpec
+first = [base.scaled_dot_product_attention is attention.MLX_LM_ATTENTION,
+         hasattr(cache, "KVQFullCache")]
+plan.plan_kv({"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1,
+              "intermediate_size": 32, "num_attention_heads": 2, "rms_norm_eps": 1e-5,
+              "vocab_size": 16})
+KVQFullCache(QuantSpec(4), QuantSpec(4))
+then = [base.scaled_dot_product_attention is attention.scaled_dot_product_attention,
+        cache.KVQFullCache is KVQFullCache]
+print(json.dumps({"planning": {"first": first, "then": then}}))
+"""
 
-def test_importing_any_module_leaves_mlx_lm_as_it_was():
-    """No module of the package rewrites mlx-lm when imported: neither its
-    attention function (in `base` and in the model modules already loaded)
-    nor its cache module's names; planning and making caches do that."""
-    out = _run("", EVERY_MODULE)
+
+def test_importing_the_package_changes_nothing_of_mlx_lm():
+    """Importing every module of the package leaves mlx-lm's functions and
+    module attributes (and its classes') as they were, and mlx-lm computes the
+    same bits with and without it (its gemma3n chunking test keeps its
+    outcome, float32 logits keep every bit); the redirect and the cache
+    classes' registration come with planning and making caches."""
+    without = _run("")
+    assert without["gemma3n_chunking_allclose"] is True, without
+    out = _run(EVERY_MODULE, MODELS + PLANNING)
     assert out["modules"] > 90, out
     assert out["changed"] == {}, out["changed"]
-
-
-def test_planning_redirects_attention_and_registers_the_cache_classes():
-    """What imports no longer do, the code paths that need it do: a plan
-    redirects mlx-lm's attention, the first cache makes our classes loadable
-    by name from mlx-lm prompt files."""
-    code = (
-        "import json\n"
-        "import mlx_lm.models.base as base, mlx_lm.models.cache as cache\n"
-        "from mlx_kvq import attention, plan\n"
-        "from mlx_kvq.caches import KVQFullCache\n"
-        "from mlx_kvq.config import QuantSpec\n"
-        "first = [base.scaled_dot_product_attention is attention.MLX_LM_ATTENTION,\n"
-        "         hasattr(cache, 'KVQFullCache')]\n"
-        "plan.plan_kv({'model_type': 'llama', 'hidden_size': 16, 'num_hidden_layers': 1,\n"
-        "              'intermediate_size': 32, 'num_attention_heads': 2,\n"
-        "              'rms_norm_eps': 1e-5, 'vocab_size': 16})\n"
-        "KVQFullCache(QuantSpec(4), QuantSpec(4))\n"
-        "then = [base.scaled_dot_product_attention is attention.scaled_dot_product_attention,\n"
-        "        cache.KVQFullCache is KVQFullCache]\n"
-        "print(json.dumps({'first': first, 'then': then}))\n"
-    )
-    assert _run("", code) == {"first": [True, False], "then": [True, True]}
+    assert {k: out[k] for k in without} == without
+    assert out["planning"] == {"first": [True, False], "then": [True, True]}
 
 
 @linux
