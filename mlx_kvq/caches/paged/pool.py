@@ -25,7 +25,7 @@ import mlx.core as mx
 from ...config import PAGED_BLOCK_SIZE, QuantSpec
 from ...quant import PagedKV, Store
 from .blocks import Account, BlockAllocator, PoolStats, chain_hashes
-from .storage import BlockStorage
+from .storage import storage_for
 
 PoolKey = tuple[int, int | None]  # (cache slot, member of a CacheList slot)
 
@@ -50,7 +50,7 @@ class BlockPool:
         self.window = window
         self.pages = pages
         self.allocator = BlockAllocator()
-        self.storage = BlockStorage(block_size, key_spec, value_spec)
+        self.storage = storage_for(block_size, key_spec, value_spec)
 
     # -- what the caches read -------------------------------------------------
     @property

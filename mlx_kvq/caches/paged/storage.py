@@ -6,10 +6,13 @@ specs say; block `b` of every part is one block's K or V. It knows nothing
 of references or tables (`blocks.py`): it grows, writes token slots, copies
 a block, keeps a subset of blocks (compaction) and hands attention views.
 Another storage form (say keys quantized per channel over a block) is
-another class with these methods.
+another class with these methods (`BlockStore`), chosen for a layer's specs
+in `storage_for`, the one place a pool's storage is made.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -17,9 +20,45 @@ from ...config import QuantSpec
 from ...quant import PagedKV, Store
 
 
+class BlockStore(Protocol):
+    """What a pool asks of its storage."""
+
+    block_size: int
+    key_spec: QuantSpec
+    value_spec: QuantSpec
+    keys: Store | None
+    values: Store | None
+    blocks: int
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    def encode(self, keys: mx.array, values: mx.array) -> tuple[Store, Store]: ...
+
+    def bytes_per_block(self, k: Store, v: Store) -> int: ...
+
+    def grow(self, add: int, k: Store, v: Store) -> None: ...
+
+    def release(self) -> None: ...
+
+    def keep(self, blocks: list[int]) -> None: ...
+
+    def copy_block(self, src: int, dst: int) -> None: ...
+
+    def write(self, blocks: list[int], slots: list[int], k: Store, v: Store) -> None: ...
+
+    def view(self, tables, bases, ends, window: int | None) -> tuple[PagedKV, PagedKV]: ...
+
+    def gather(self, ids: list[int], base: int, length: int) -> tuple[Store, Store]: ...
+
+
 class BlockStorage:
-    """One layer's K/V blocks; made at the first growth (heads, dims and dtypes
-    come from the first tokens written)."""
+    """One layer's K/V blocks, each part of a `Store` laid out block by block;
+    made at the first growth (heads, dims and dtypes come from the first
+    tokens written)."""
 
     def __init__(self, block_size: int, key_spec: QuantSpec, value_spec: QuantSpec):
         self.block_size = block_size
@@ -109,4 +148,9 @@ class BlockStorage:
         return parts[0], parts[1]
 
 
-__all__ = ["BlockStorage"]
+def storage_for(block_size: int, key_spec: QuantSpec, value_spec: QuantSpec) -> BlockStore:
+    """The storage of a pool whose layer stores keys and values as these specs say."""
+    return BlockStorage(block_size, key_spec, value_spec)
+
+
+__all__ = ["BlockStorage", "BlockStore", "storage_for"]
