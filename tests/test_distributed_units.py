@@ -287,8 +287,8 @@ def non_default(hint, default=dataclasses.MISSING, salt: int = 0):
         return not default if isinstance(default, bool) else True
     if hint is int:
         return (default if isinstance(default, int) else 0) + 3 + salt
-    if hint is float:
-        return (default if isinstance(default, float | int) else 0.0) + 0.375 + salt
+    if hint is float:  # a fraction, so that probabilities (top_p, min_p) stay valid
+        return ((default if isinstance(default, float | int) else 0.0) + 0.375 + salt) % 1.0
     if hint is str:
         return f"s{salt}"
     raise AssertionError(f"no non-default value for {hint}: extend non_default")

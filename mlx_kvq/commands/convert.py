@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DTYPE_CHOICES = ("float32", "float16", "bfloat16")
+from .flags import add_convert_flags
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -13,22 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "convert",
         help="write an mlx-lm directory (config, weights, tokenizer) from a GGUF file",
     )
-    p.add_argument("gguf", help="the GGUF file (llama, qwen2, qwen3 or gemma3)")
-    p.add_argument("out_dir", help="the directory to write (must not exist, or be empty)")
-    p.add_argument(
-        "--dtype",
-        choices=DTYPE_CHOICES,
-        default=None,
-        help="dtype of the dense tensors (default: float32 on MLX's CPU backend, whose "
-        "half-precision products do not use the BLAS; float16 elsewhere)",
-    )
-    p.add_argument(
-        "--dequantize",
-        action="store_true",
-        help="make every weight dense, also the block types MLX's quantization holds "
-        "exactly (kept packed by default): on the CPU backend the fastest form, at "
-        "4-8x the bytes",
-    )
+    add_convert_flags(p)
     p.set_defaults(run=run)
 
 

@@ -6,17 +6,13 @@ import argparse
 import json
 from pathlib import Path
 
-from .flags import add_kv_flags, add_model_flag, kv_config
+from .flags import add_plan_flags, kv_config
 from .startup import ModelSource, kv_setting, model_source
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="per-layer KV plan and memory estimate from config.json")
-    add_model_flag(p)
-    add_kv_flags(p)
-    p.add_argument("--context", type=int, default=32768, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=1, help="sequences")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    add_plan_flags(p)
     p.set_defaults(run=run)
 
 

@@ -17,19 +17,12 @@ from .budget import format_bytes
 from .memory import KVMemory, Need
 from .metrics import EngineMetrics
 from .processors import Grammars, make_processors
-from .requests import ErrorEvent, EventSink, GenerationRequest, Outcome, Rejection, SamplingParams
+from .requests import ErrorEvent, EventSink, GenerationRequest, Outcome, Rejection
 from .sampling import SamplerPool
 from .scheduler import Sequence
 from .stops import StopMatcher
 
 QUEUE_RETRY_AFTER_S = 2  # what a client refused for a full queue is told to wait
-
-
-def check_logit_bias(p: SamplingParams, vocab: int | None) -> None:
-    """Refuse `logit_bias` token ids outside the model's logits (mlx-lm would
-    index out of bounds)."""
-    if vocab is not None and any(not 0 <= t < vocab for t, _ in p.logit_bias):
-        raise ValueError(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1})")
 
 
 class Admission:
@@ -129,7 +122,7 @@ class Admission:
             self.max_tokens(request),
         )  # fmt: skip
         try:
-            check_logit_bias(request.params, self.samplers.vocab)
+            request.params.check_vocabulary(self.samplers.vocab or len(self.tokenizer))
             seq.processors = make_processors(request.params, self.grammars)
         except Exception as e:  # noqa: BLE001 - this request's settings, not the engine
             return seq, e
@@ -146,4 +139,4 @@ class Admission:
         return seq, None
 
 
-__all__ = ["QUEUE_RETRY_AFTER_S", "Admission", "check_logit_bias"]
+__all__ = ["QUEUE_RETRY_AFTER_S", "Admission"]

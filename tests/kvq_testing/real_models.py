@@ -86,7 +86,12 @@ def converted(name: str) -> Path:
 
 @functools.cache
 def loaded(name: str):
-    """(model, tokenizer) of a converted real model, loaded once per session."""
+    """(model, tokenizer) of a converted real model, loaded once per session and
+    set up for the backend as the commands set it up (`compute.prepare`)."""
     from mlx_lm import load
 
-    return load(str(converted(name)))
+    from mlx_kvq.compute import prepare
+
+    model, tokenizer = load(str(converted(name)))
+    prepare(model)
+    return model, tokenizer

@@ -15,7 +15,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .settings import DEFAULT_RESPONSE_STORE_BYTES
+from ..settings import DEFAULT_RESPONSE_STORE_BYTES
 
 
 @dataclass(frozen=True)

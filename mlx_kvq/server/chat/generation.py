@@ -1,25 +1,18 @@
-"""One request's events, from the engine thread to the HTTP handler.
+"""One request's events, from the engine thread to the handler's event loop.
 
 `Generation` submits a request to the engine and hands its events to the
-handler's event loop: all at once (`collect`, for a JSON answer) or one by
-one (`events`, for server-sent events). Either way a client that goes away
-gets its request cancelled in the engine at once, which frees its memory.
-
-A stream is kept alive with SSE comment lines while no token flows, as
-mlx_lm.server does: `: keepalive N/M` after each prefill step of a long
-prompt (the engine's `PromptProgress`), and `: keepalive` after
-`KEEPALIVE_S` seconds without any event (a request waiting for a batch slot).
+handler: all at once (`collect`, for a JSON answer) or one by one (`events`,
+for a stream). Either way a client that goes away gets its request
+cancelled in the engine at once, which frees its memory. `events` yields
+`IDLE` after `KEEPALIVE_S` seconds without any event (a request waiting for
+a batch slot), so that a stream can tell its client it is still there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
-
-from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from mlx_kvq.engine import (
     Engine,
@@ -31,7 +24,7 @@ from mlx_kvq.engine import (
     TokenEvent,
 )
 
-from .errors import APIError
+from ..errors import APIError
 
 _DISCONNECTED = object()  # queued when the client of a non-streaming request goes away
 KEEPALIVE_S = 15.0  # seconds without an event before a stream gets a keep-alive comment
@@ -72,9 +65,12 @@ class Generation:
             return event
         return await self._queue.get()
 
-    async def collect(self, http: Request) -> tuple[list[TokenEvent], FinishEvent]:
-        """Every token and the finish; cancels the request as soon as the client leaves."""
-        watcher = asyncio.create_task(self._watch_disconnect(http))
+    async def collect(
+        self, client_gone: Callable[[], Awaitable[None]]
+    ) -> tuple[list[TokenEvent], FinishEvent]:
+        """Every token and the finish; cancels the request as soon as the client
+        leaves (when `client_gone()` returns)."""
+        watcher = asyncio.create_task(self._watch_disconnect(client_gone))
         tokens: list[TokenEvent] = []
         try:
             while True:
@@ -121,31 +117,6 @@ class Generation:
             if not done:
                 self.engine.cancel(self.request.id)
 
-    async def _watch_disconnect(self, http: Request) -> None:
-        """Wait for the client to disconnect (its body is already read), then say so."""
-        while (await http.receive())["type"] != "http.disconnect":
-            pass
+    async def _watch_disconnect(self, client_gone: Callable[[], Awaitable[None]]) -> None:
+        await client_gone()
         self._queue.put_nowait(_DISCONNECTED)
-
-
-def sse(data: Any) -> str:
-    """One server-sent event."""
-    return f"data: {json.dumps(data)}\n\n"
-
-
-def keepalive(event: PromptProgress | object) -> str:
-    """The SSE comment that keeps a stream alive (mlx_lm.server's words)."""
-    if isinstance(event, PromptProgress):
-        return f": keepalive {event.processed}/{event.total}\n\n"
-    return ": keepalive\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        chunks,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import error_response_for
-from .lifecycle import is_api_path
+from ..errors import error_response_for
+from .draining import is_api_path
 
 ANY = "*"
 LOOPBACK_NAMES = ("localhost",)

@@ -9,7 +9,7 @@ from fastapi import Request
 
 from mlx_kvq.engine import EngineMetrics, Outcome
 
-from .errors import APIError
+from ..errors import APIError
 
 
 def api_key_check(

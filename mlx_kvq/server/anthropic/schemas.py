@@ -1,22 +1,22 @@
-"""Anthropic Messages request bodies, validated, with every field's treatment.
+"""Anthropic Messages request bodies, validated.
 
-As for OpenAI's bodies (`schemas.py`, `fields.py`), every field the
-official `anthropic` SDK (2.x) and Claude Code send is declared here and
-listed in `MESSAGES_FIELDS` with its treatment: honoured, honoured
-approximately (the note says how), refused with a 400 naming it, or accepted
-with no effect because it cannot change the output on this server. Any other
-field is a 400 naming it.
+As for OpenAI's bodies, every field the official `anthropic` SDK (2.x) and
+Claude Code send is declared here and listed in `server/fields.py`
+(`MESSAGES`) with its treatment: honoured, honoured approximately (the note
+says how), refused with a 400 naming it, or accepted with no effect because
+it cannot change the output on this server. Any other field is a 400 naming
+it.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .fields import FieldDoc, Treatment
+from mlx_kvq.sampling_params import SamplingParams
 
-H, A, R, IG = Treatment.HONOURED, Treatment.APPROXIMATE, Treatment.REFUSED, Treatment.IGNORED
+from ..chat.job import sampling_params
 
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's first system block (a nonce in it)
 
@@ -87,11 +87,30 @@ Block = Annotated[
 ]
 
 
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: dict[str, Any] | None = None
+
+
 class Message(BaseModel):
+    """A turn; a system turn may carry `output_config` (Claude Code 2.1 sends
+    `{"effort": ...}` there), read as the request's own."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
+    output_config: OutputConfig | None = None
+
+    @model_validator(mode="after")
+    def _config_on_system_turns(self):
+        if self.output_config is not None and self.role != "system":
+            raise ValueError(
+                f"output_config is taken on system turns only, not on a {self.role} turn"
+            )
+        return self
 
 
 class Tool(BaseModel):
@@ -124,13 +143,6 @@ class Thinking(BaseModel):
     display: Literal["summarized", "omitted"] | None = None
 
 
-class OutputConfig(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    format: dict[str, Any] | None = None
-
-
 class CountTokensRequest(BaseModel):
     """`/v1/messages/count_tokens`: the fields that shape the prompt."""
 
@@ -154,6 +166,15 @@ class CountTokensRequest(BaseModel):
         if value:
             raise ValueError("MCP servers are run by Anthropic's API; this server has none")
         return value
+
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        """This body's sampling: the server's `defaults` with the fields it sets."""
+        return sampling_params(self, defaults)
+
+    def output_configs(self) -> list[OutputConfig]:
+        """The request's `output_config` and those its system turns carry, in order."""
+        turns = [m.output_config for m in self.messages if m.output_config is not None]
+        return [c for c in (self.output_config, *turns) if c is not None]
 
 
 class MessagesRequest(CountTokensRequest):
@@ -179,72 +200,6 @@ class MessagesRequest(CountTokensRequest):
             raise ValueError("code-execution containers are not supported by this server")
         return value
 
-
-MESSAGES_FIELDS = {
-    "model": FieldDoc(
-        H,
-        "any name is answered by the loaded model (as llama-server does with one model); "
-        "with --served-model-name only that name or 'default_model', others 404",
-    ),
-    "max_tokens": FieldDoc(
-        H, "beyond the context the answer ends where the context does (stop_reason max_tokens)"
-    ),
-    "messages": FieldDoc(
-        H,
-        "roles user, assistant and system (system turns after the first folded into the user "
-        "turn next to them for templates that do not render them); blocks text, tool_use, "
-        "tool_result (string or text blocks), thinking and redacted_thinking sent back; image "
-        "and document 400 (no model served here takes them); a final assistant turn "
-        "(prefill) 400",
-    ),
-    "system": FieldDoc(
-        H,
-        "a string or text blocks, the first system turn; Claude Code's "
-        "x-anthropic-billing-header block is dropped before rendering",
-    ),
-    "tools": FieldDoc(
-        H,
-        "rendered by the chat template as functions (input_schema as parameters); calls "
-        "parsed into tool_use blocks; defer_loading: approximately, deferred tools are "
-        "rendered with the others (there is no tool search here)",
-    ),
-    "tool_choice": FieldDoc(
-        H,
-        "auto; none (tools not rendered, calls not parsed); any and tool 400 (decoding is "
-        "not constrained to a call); disable_parallel_tool_use: true 400",
-    ),
-    "stop_sequences": FieldDoc(
-        H, "up to 16, matched on the decoded text, left out; stop_reason stop_sequence"
-    ),
-    "stream": FieldDoc(H, "Anthropic's server-sent events; ping while the prompt is read"),
-    "temperature": FieldDoc(H, "0 to 1 (0: greedy); default --temp"),
-    "top_p": FieldDoc(H, "above 0, at most 1; default --top-p"),
-    "top_k": FieldDoc(H, "default --top-k; 0: off"),
-    "thinking": FieldDoc(
-        A,
-        "enabled and adaptive: the model reasons as its template lets it; disabled: "
-        "enable_thinking false for templates that read it; the model's reasoning comes back "
-        "as thinking blocks either way; budget_tokens is not a separate cut (max_tokens "
-        "bounds reasoning and answer together); display omitted: thinking blocks carry no text",
-    ),
-    "output_config": FieldDoc(
-        A,
-        "effort: passed as reasoning_effort to templates that read it (gpt-oss's), else no "
-        "effect; format (structured output) 400",
-    ),
-    "context_management": FieldDoc(
-        IG,
-        "server-side edits of the history (clear_thinking, clear_tool_uses): the history is "
-        "rendered as sent, and the chat template decides which earlier reasoning it keeps",
-    ),
-    "cache_control": FieldDoc(IG, "cache hints; the prompt cache is automatic"),
-    "metadata": FieldDoc(IG, "user_id for a hosted service's abuse checks"),
-    "service_tier": FieldDoc(IG, "a hosted service's processing tier"),
-    "inference_geo": FieldDoc(IG, "where a hosted service runs the request"),
-    "speed": FieldDoc(IG, "a hosted service's speed tier"),
-    "diagnostics": FieldDoc(IG, "a hosted service's diagnostics"),
-    "container": FieldDoc(R, "code-execution containers are not supported"),
-    "mcp_servers": FieldDoc(R, "MCP servers run by a hosted service are not supported"),
-}
-
-COUNT_TOKENS_FIELDS = {k: MESSAGES_FIELDS[k] for k in CountTokensRequest.model_fields}
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        stop = tuple(s for s in self.stop_sequences or () if s)
+        return sampling_params(self, defaults, stop=stop or None)

@@ -1,5 +1,4 @@
-"""OpenAI's chat and completions requests translated into the internal request
-(`chat_job.ChatJob`, `chat_job.Sampling`); no HTTP here."""
+"""OpenAI's chat requests translated into the internal request (`chat.job.ChatJob`)."""
 
 from __future__ import annotations
 
@@ -7,9 +6,10 @@ from typing import Any
 
 from mlx_kvq.engine.prompts import has_chat_template
 
+from ..chat.job import ChatJob, Refusal
+from ..chat.service import ChatService
+from ..chat.tools import ToolChoiceError, tool_policy
 from . import schemas
-from .chat_job import ChatJob, ChatService, Refusal, Sampling
-from .tools import ToolChoiceError, tool_policy
 
 # OpenAI fields a chat template may read as variables (gpt-oss's reads reasoning_effort)
 TEMPLATE_FIELDS = ("reasoning_effort", "verbosity")
@@ -21,30 +21,6 @@ def template_fields(body: Any, variables: frozenset[str]) -> tuple[dict[str, Any
     fields = {n: getattr(body, n) for n in TEMPLATE_FIELDS if getattr(body, n) is not None}
     unread = next((n for n in fields if n not in variables), None)
     return fields, unread
-
-
-def request_sampling(body: Any, logprobs: bool, top: int) -> Sampling:
-    """What a chat or completions body asks of the sampler (None: the default)."""
-    return Sampling(
-        max_tokens=body.token_limit,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        seed=body.sampling_seed,
-        stop=body.stop_strings,
-        logprobs=logprobs,
-        top_logprobs=top,
-        repetition_penalty=body.repetition_penalty,
-        repetition_context_size=body.repetition_context_size,
-        presence_penalty=body.presence_penalty,
-        presence_context_size=body.presence_context_size,
-        frequency_penalty=body.frequency_penalty,
-        frequency_context_size=body.frequency_context_size,
-        logit_bias=body.logit_bias_pairs,
-        xtc_probability=body.xtc_probability,
-        xtc_threshold=body.xtc_threshold,
-    )
 
 
 def template_args(body: schemas.ChatCompletionRequest, service: ChatService) -> dict[str, Any]:
@@ -71,9 +47,10 @@ def chat_job(body: schemas.ChatCompletionRequest, service: ChatService, drafts: 
         raise Refusal(str(e), "tool_choice") from None
     return ChatJob(
         messages=[m.as_template_dict() for m in body.messages],
-        sampling=request_sampling(body, body.want_logprobs, max(body.top_logprobs or 0, 0)),
+        sampling=body.to_sampling_params(service.settings.sampling),
         tools=body.template_tools if policy.render else None,
         parse_tools=policy.parse,
+        tool_choice=policy,
         template_args=template_args(body, service),
         stream=body.stream,
         role_mapping=body.role_mapping,

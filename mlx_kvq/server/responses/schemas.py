@@ -1,19 +1,22 @@
 """OpenAI Responses request bodies, validated, with every field's treatment.
 
 Every field the `openai` SDK (3.x) and Codex send is declared here and
-listed in `RESPONSES_FIELDS` with its treatment (see `fields.Treatment`);
-any other field is a 400 naming it.
+listed in `server/fields.py` (`RESPONSES`) with its treatment; any other
+field is a 400 naming it.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from .fields import FieldDoc, Treatment
+from mlx_kvq.sampling_params import SamplingParams
 
-H, A, R, IG = Treatment.HONOURED, Treatment.APPROXIMATE, Treatment.REFUSED, Treatment.IGNORED
+from ..chat.job import sampling_params
 
 # Tools a hosted service runs itself: left out of the prompt here (logged once, counted)
 HOSTED_TOOLS = frozenset(
@@ -100,6 +103,27 @@ class ReasoningItem(_Item):
     summary: list[TextPart] = []
     content: list[TextPart] | None = None
     encrypted_content: str | None = None
+
+
+OPAQUE_PREFIX = "mlx-kvq:"  # encrypted_content this server wrote (base64 JSON of the reasoning)
+
+
+def opaque(reasoning: str) -> str:
+    """The `encrypted_content` of a reasoning item: opaque to the client, read back here."""
+    raw = json.dumps({"reasoning": reasoning}).encode()
+    return OPAQUE_PREFIX + base64.b64encode(raw).decode()
+
+
+def reasoning_of(item: ReasoningItem) -> str:
+    """A reasoning item's text: this server's opaque value, else its content or summary."""
+    value = item.encrypted_content or ""
+    if value.startswith(OPAQUE_PREFIX):
+        try:
+            return json.loads(base64.b64decode(value[len(OPAQUE_PREFIX) :]))["reasoning"]
+        except (binascii.Error, ValueError, KeyError, TypeError):
+            pass
+    parts = item.content or item.summary
+    return "\n".join(p.text for p in parts)
 
 
 def _item_type(value: Any) -> str:
@@ -248,64 +272,6 @@ class ResponsesRequest(BaseModel):
             raise ValueError(f"{info.field_name} objects of a hosted service are not supported")
         return value
 
-
-RESPONSES_FIELDS = {
-    "model": FieldDoc(
-        H,
-        "any name is answered by the loaded model; with --served-model-name only that name "
-        "or 'default_model', others 404",
-    ),
-    "input": FieldDoc(
-        H,
-        "a string or items: message (roles user, assistant, system, developer; text parts; "
-        "images and files 400), function_call, function_call_output, reasoning (its "
-        "encrypted_content from this server, or its summary, becomes the turn's reasoning)",
-    ),
-    "instructions": FieldDoc(H, "the first system turn (not carried to later responses)"),
-    "max_output_tokens": FieldDoc(
-        H, "default --max-tokens; beyond the context the answer ends there (incomplete)"
-    ),
-    "temperature": FieldDoc(H, "0 to 2 (0: greedy); default --temp"),
-    "top_p": FieldDoc(H, "above 0, at most 1; default --top-p"),
-    "stream": FieldDoc(H, "the Responses API's events, each with its sequence_number"),
-    "store": FieldDoc(
-        H, "true: kept for previous_response_id and GET (bounded, --response-store-bytes)"
-    ),
-    "previous_response_id": FieldDoc(H, "continues a stored response's conversation; unknown 404"),
-    "include": FieldDoc(
-        H, "reasoning.encrypted_content: an opaque value this server reads back; others 400"
-    ),
-    "tools": FieldDoc(
-        A,
-        "function tools rendered by the chat template and their calls parsed; namespace tools "
-        "rendered as their member functions; strict is not enforced (calls are the model's, "
-        "parsed); hosted tools (web_search, file_search, ...) left out of the prompt, logged "
-        "once and counted in /metrics",
-    ),
-    "tool_choice": FieldDoc(H, "auto; none (tools not rendered); required or a named tool 400"),
-    "parallel_tool_calls": FieldDoc(H, "true (the default); false 400 (cannot be enforced)"),
-    "reasoning": FieldDoc(
-        A,
-        "effort passed as reasoning_effort to templates that read it, else no effect; "
-        "summary: the reasoning is returned whole as the summary text",
-    ),
-    "text": FieldDoc(
-        A,
-        "format text, json_object or json_schema (enforced with llguidance); verbosity passed "
-        "to templates that read it, else no effect",
-    ),
-    "prompt_cache_key": FieldDoc(
-        IG, "a hosted cache's routing hint; the prompt cache is automatic"
-    ),
-    "prompt_cache_retention": FieldDoc(IG, "a hosted cache's retention"),
-    "metadata": FieldDoc(IG, "tags for a hosted service's logs (echoed back)"),
-    "client_metadata": FieldDoc(IG, "Codex's client tags for a hosted service"),
-    "user": FieldDoc(IG, "an end-user id for a hosted service"),
-    "safety_identifier": FieldDoc(IG, "an end-user id for a hosted service's abuse checks"),
-    "service_tier": FieldDoc(IG, "a hosted service's processing tier"),
-    "truncation": FieldDoc(IG, "the history is never truncated; a prompt over the context 400"),
-    "stream_options": FieldDoc(IG, "include_obfuscation: nothing is obfuscated"),
-    "background": FieldDoc(R, "true 400: background responses are not supported"),
-    "conversation": FieldDoc(R, "hosted conversation objects are not supported"),
-    "prompt": FieldDoc(R, "hosted prompt templates are not supported"),
-}
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        """This body's sampling: the server's `defaults` with the fields it sets."""
+        return sampling_params(self, defaults, max_tokens=self.max_output_tokens)

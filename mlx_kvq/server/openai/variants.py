@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .settings import ServerSettings
-
-DEFAULT_MODEL_ALIAS = "default_model"  # what clients written for mlx_lm.server send
+from ..settings import DEFAULT_MODEL_ALIAS, ServerSettings
 
 
 @dataclass(frozen=True)

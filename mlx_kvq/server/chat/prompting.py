@@ -36,7 +36,7 @@ from pydantic import BaseModel
 from mlx_kvq.engine.prompts import chat_tokens, completion_tokens
 from mlx_kvq.engine.segments import Checkpoint, chat_checkpoints
 
-from .body import parse_body
+from ..guards.body import parse_body
 
 T = TypeVar("T")
 COMPOSITION = 4  # code points a Unicode normalizer may compose into one (canonical, at most)
@@ -54,10 +54,13 @@ class PromptTooLong(Exception):
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """A rendered chat: its token ids and the segment checkpoints the prompt cache keeps."""
+    """A rendered chat: its token ids and the segment checkpoints the prompt
+    cache keeps; `tool_grammar` is the grammar its answer follows when its
+    tools are given in the generic format (`json_tools.py`)."""
 
     tokens: list[int]
     checkpoints: tuple[Checkpoint, ...]
+    tool_grammar: str | None = None
 
 
 def longest_token_chars(tokenizer: Any) -> int:

@@ -4,17 +4,19 @@ the calls the model makes as OpenAI's `tool_calls`.
 The parsing is mlx-lm's: the tokenizer wrapper knows the model's tool-call
 markers (`tool_call_start`/`tool_call_end`) and its parser (one of
 `mlx_lm.tool_parsers`, inferred from the chat template or set by
-`tool_parser_type`); `chat_output.ChatOutput` finds the text between the
+`tool_parser_type`); `output.ChatOutput` finds the text between the
 markers and `ToolCalls` turns it into calls.
 
 `tool_choice`: `"auto"` (the default) renders the tools and parses calls;
 `"none"` renders no tools and parses nothing, so any markup the model
 writes stays in `content` and `finish_reason` is never `"tool_calls"`;
-`"required"` and a named function would need constrained decoding and are
-refused with a 400, like `parallel_tool_calls: false`. Tools the server
-cannot honour are a 400 too (`tools_refusal`): a chat template that does not
-render them, or a model whose calls mlx-lm has no parser for (mlx_lm.server
-renders them and logs a warning, and the calls come back as text).
+`"required"` and a named function need constrained decoding: the generic
+tool format (`--tool-format json`, `json_tools.py`) enforces them, the chat
+template's format refuses them with a 400, like `parallel_tool_calls:
+false`. Tools the server cannot honour are a 400 too (`tools_refusal`): a
+chat template that does not render them, or a model whose calls mlx-lm has
+no parser for (mlx_lm.server renders them and logs a warning, and the calls
+come back as text); `--tool-format json` serves both.
 """
 
 from __future__ import annotations
@@ -35,25 +37,51 @@ class ToolChoiceError(ValueError):
 
 @dataclass(frozen=True)
 class ToolPolicy:
-    """What a request's tools do: reach the template, and have calls parsed."""
+    """What a request's tools do: reach the prompt, have calls parsed, and
+    whether the answer must be a call (`required`; to the tool `name` when
+    given), which only the generic tool format can enforce (`json_tools.py`)."""
 
     render: bool
     parse: bool
+    required: bool = False
+    name: str | None = None
+
+
+AUTO = ToolPolicy(render=True, parse=True)
+NONE = ToolPolicy(render=False, parse=False)
+
+
+def required_call(name: str | None = None) -> ToolPolicy:
+    return ToolPolicy(render=True, parse=True, required=True, name=name)
 
 
 def tool_policy(tool_choice: str | dict[str, Any] | None) -> ToolPolicy:
-    """The policy for `tool_choice`, or `ToolChoiceError` naming what cannot be enforced."""
+    """The policy for OpenAI's chat `tool_choice`, or `ToolChoiceError`."""
     if tool_choice is None or tool_choice == "auto":
-        return ToolPolicy(render=True, parse=True)
+        return AUTO
     if tool_choice == "none":
-        return ToolPolicy(render=False, parse=False)
-    if tool_choice == "required" or isinstance(tool_choice, dict):
-        raise ToolChoiceError(
-            f"tool_choice {json.dumps(tool_choice)[:80]} cannot be enforced by this server "
-            "(it does not constrain decoding to a tool call); use 'auto' or 'none'"
-        )
+        return NONE
+    if tool_choice == "required":
+        return required_call()
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if (
+        isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
+        and isinstance(function, dict) and isinstance(function.get("name"), str)
+    ):  # fmt: skip
+        return required_call(function["name"])
     raise ToolChoiceError(
-        f"tool_choice must be 'auto', 'none', 'required' or a function, not {tool_choice!r:.80}"
+        "tool_choice must be 'auto', 'none', 'required' or a named function, "
+        f"not {json.dumps(tool_choice)[:80]}"
+    )
+
+
+def required_refusal(policy: ToolPolicy) -> str:
+    """Why a required call cannot be enforced with the chat template's tool format."""
+    what = f"a call to {policy.name!r}" if policy.name else "a tool call"
+    return (
+        f"tool_choice asks for {what}, which this server enforces only with the generic tool "
+        "format (decoding constrained to the call): start it with --tool-format json, or "
+        "use 'auto' or 'none'"
     )
 
 

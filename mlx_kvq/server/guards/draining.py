@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import error_response_for
+from ..errors import error_response_for
 
 RETRY_AFTER_S = 5  # what a client is told to wait while the server shuts down
 BARE_API_PATHS = ("/chat/completions", "/completions")  # the API without /v1, as mlx_lm.server

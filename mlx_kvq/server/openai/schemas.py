@@ -1,25 +1,24 @@
-"""OpenAI request bodies (validated) and response bodies (built as dicts).
+"""OpenAI's request bodies, validated: chat completions and completions.
 
 Requests are strict pydantic models: a wrong type is a 400 with the field
 named in `param`, as OpenAI answers, never a silent coercion. Every field of
 OpenAI's two requests and of mlx_lm.server's is declared: honoured, refused
 with a 400 naming it, or on the documented list of fields that cannot change
-the output (`fields.py` says which); any other field is a 400 naming it.
-Responses are plain dicts in OpenAI's shapes.
+the output (`server/fields.py` says which); any other field is a 400 naming
+it. Each body builds its `SamplingParams` (`to_sampling_params`).
 """
 
 from __future__ import annotations
 
-import math
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from mlx_kvq.engine.requests import TokenEvent, Usage
-from mlx_kvq.mlx_lm_internals import token_bytes
+from mlx_kvq.sampling_params import SamplingParams
 from mlx_kvq.speculative import MAX_DRAFT_TOKENS
+
+from ..chat.job import sampling_params
+from ..chat.template_args import check_template_kwargs
 
 MAX_STOP_STRINGS = 16
 INT64_MAX = 2**63 - 1
@@ -28,76 +27,6 @@ UNSEEDED = -1  # `seed: -1` means "no seed", as llama.cpp and many clients use i
 PositiveInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
 # Any 64-bit seed a client sends: signed (as OpenAI documents it) or unsigned.
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
-
-# chat_template_kwargs keys that would change what rendering returns (a
-# tensor, a dict, text instead of token ids) or the roles of the arguments the
-# server passes itself: refused with a 400 instead of reaching the template.
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "add_generation_prompt", "continue_final_message", "conversation", "documents",
-        "max_length", "messages", "padding", "return_assistant_tokens_mask", "return_dict",
-        "return_tensors", "tokenize", "tokenizer_kwargs", "tools", "truncation",
-    }
-)  # fmt: skip
-# The names a chat template's sandbox provides (Jinja's globals and those
-# transformers adds): a variable of the same name would replace them.
-TEMPLATE_GLOBALS = frozenset(
-    {"cycler", "dict", "joiner", "lipsum", "namespace", "range", "raise_exception", "strftime_now"}
-)
-TEMPLATE_OVERRIDE = "chat_template"  # a template of the client's own: never accepted
-
-
-def check_template_kwargs(kwargs: dict[str, Any], where: str) -> None:
-    """Raise ValueError naming the first key of `kwargs` that is not a plain
-    template variable, or a value that is not plain JSON.
-
-    A template variable only fills a name the model's template reads: it may
-    not replace the template (`chat_template`: rendering a client's Jinja has
-    no bound on time or memory), a rendering argument, a sandbox global, or a
-    name that is not an identifier; its value is a string, number, boolean,
-    null, or a list or object of those."""
-    if TEMPLATE_OVERRIDE in kwargs:
-        raise ValueError(
-            f"{where} may not set 'chat_template': requests are rendered with the model's "
-            "own chat template (a server can be started with --chat-template)"
-        )
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
-    if reserved:
-        raise ValueError(
-            f"{where} may not set {reserved[0]!r}: the server renders the prompt to "
-            "token ids itself (reserved: " + ", ".join(sorted(RESERVED_TEMPLATE_KWARGS)) + ")"
-        )
-    for key, value in kwargs.items():
-        if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
-            raise ValueError(
-                f"{where} may not set {key!r}: a template variable is an identifier "
-                "that does not start with '_'"
-            )
-        if key in TEMPLATE_GLOBALS:
-            raise ValueError(
-                f"{where} may not set {key!r}: it would replace the template sandbox's own {key!r}"
-            )
-        if not plain_json(value):
-            raise ValueError(
-                f"{where}: {key!r} must be a plain JSON value (string, number, boolean, "
-                f"null, or a list or object of those), not {type(value).__name__}"
-            )
-
-
-def plain_json(value: Any) -> bool:
-    """Whether `value` is made of JSON's types only (no objects with attributes to reach)."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if v is None or type(v) in (str, int, float, bool):
-            continue
-        if type(v) is list:
-            stack.extend(v)
-        elif type(v) is dict and all(type(k) is str for k in v):
-            stack.extend(v.values())
-        else:
-            return False
-    return True
 
 
 class StreamOptions(BaseModel):
@@ -146,7 +75,7 @@ class _Request(BaseModel):
     xtc_probability: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     xtc_threshold: Annotated[float, Field(ge=0.0, le=0.5)] | None = None
     user: str | None = None
-    # mlx_lm.server's model variants (see server/variants.py)
+    # mlx_lm.server's model variants (see variants.py)
     adapters: str | None = None
     draft_model: str | None = None
     num_draft_tokens: Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
@@ -174,6 +103,24 @@ class _Request(BaseModel):
     @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
+    @property
+    def want_logprobs(self) -> bool:
+        """mlx_lm.server returns top tokens for top_logprobs > 0 even without logprobs."""
+        return bool(self.logprobs) or self.top_count > 0
+
+    @property
+    def top_count(self) -> int:
+        """Alternatives per token (mlx-lm's `top_logprobs: -1` is none)."""
+        return max(self.top_logprobs or 0, 0)
+
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        """This body's sampling: the server's `defaults` with the fields it sets."""
+        return sampling_params(
+            self, defaults, max_tokens=self.token_limit, seed=self.sampling_seed,
+            stop=self.stop_strings or None, logprobs=self.want_logprobs,
+            top_logprobs=self.top_count, logit_bias=self.logit_bias_pairs or None,
+        )  # fmt: skip
 
     @field_validator("stop")
     @classmethod
@@ -291,11 +238,6 @@ class ChatCompletionRequest(_Request):
     function_call: Any = None
 
     @property
-    def want_logprobs(self) -> bool:
-        """mlx_lm.server returns top tokens for top_logprobs > 0 even without logprobs."""
-        return bool(self.logprobs) or (self.top_logprobs or 0) > 0
-
-    @property
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
@@ -380,160 +322,3 @@ class CompletionRequest(_Request):
         ):  # fmt: skip
             raise ValueError("logprobs and top_logprobs ask for different numbers of alternatives")
         return value
-
-
-# ---------------------------------------------------------------- responses
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def usage_body(u: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    }
-
-
-MIN_LOGPROB = -9999.0  # what OpenAI reports for a token the model all but rules out
-
-
-def json_logprob(value: float) -> float | None:
-    """A logprob JSON can carry: -inf (a token masked by a grammar or a bias)
-    as MIN_LOGPROB, NaN or +inf (logits a penalty drove to infinity) as null."""
-    if math.isfinite(value):
-        return value
-    return MIN_LOGPROB if value == -math.inf else None
-
-
-class TokenText:
-    """Token strings and bytes for logprobs bodies: `bytes` is the token's own
-    bytes (part of a character split across tokens, whose string alone is
-    U+FFFD), so that a client can join them as OpenAI documents."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.detokenizer = getattr(tokenizer, "detokenizer", None)
-
-    def text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
-
-    def entry(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self.text(token)
-        raw = token_bytes(self.detokenizer, token)
-        return {
-            "token": text,
-            "logprob": json_logprob(logprob),
-            "bytes": list(raw if raw is not None else text.encode("utf-8")),
-        }
-
-
-def chat_logprobs(events: list[TokenEvent], tt: TokenText) -> dict[str, Any]:
-    content = []
-    for e in events:
-        if e.logprob is None or e.eos:
-            continue
-        entry = tt.entry(e.token, e.logprob)
-        entry["top_logprobs"] = [tt.entry(t, lp) for t, lp in e.top_logprobs]
-        content.append(entry)
-    return {"content": content}
-
-
-def completion_logprobs(events: list[TokenEvent], tt: TokenText, offset: int = 0) -> dict:
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for e in events:
-        start, offset = offset, offset + len(e.text)  # the text released, not the token's string
-        if e.logprob is None or e.eos:
-            continue
-        tokens.append(tt.text(e.token))
-        token_logprobs.append(json_logprob(e.logprob))
-        top.append({tt.text(t): json_logprob(lp) for t, lp in e.top_logprobs})
-        offsets.append(start)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top,
-        "text_offset": offsets,
-    }
-
-
-def chat_message(content: str, reasoning: str = "", tool_calls: list | None = None) -> dict:
-    """The assistant message as mlx_lm.server returns it: `content` null when
-    empty, `reasoning` and `tool_calls` only when there are some."""
-    message: dict[str, Any] = {"role": "assistant", "content": content or None}
-    if reasoning:
-        message["reasoning"] = reasoning
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return message
-
-
-def chat_body(
-    rid: str, model: str, message: dict[str, Any], reason: str, usage: Usage, logprobs: dict | None
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": reason,
-            }
-        ],
-        "usage": usage_body(usage),
-    }
-
-
-def chat_chunk(
-    rid: str,
-    model: str,
-    delta: dict[str, Any] | None,
-    reason: str | None = None,
-    logprobs: dict | None = None,
-    usage: Usage | None = None,
-) -> dict[str, Any]:
-    choices = []
-    if delta is not None:
-        choices.append({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
-    body: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if usage is not None:
-        body["usage"] = usage_body(usage)
-    return body
-
-
-def completion_body(
-    rid: str,
-    model: str,
-    text: str,
-    reason: str | None,
-    usage: Usage | None,
-    logprobs: dict | None,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}],
-    }
-    if usage is not None:
-        body["usage"] = usage_body(usage)
-    return body
-
-
-def models_body(model_id: str, created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "mlx-kvq"}],
-    }
