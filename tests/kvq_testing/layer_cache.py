@@ -6,7 +6,7 @@ Both subclass mlx-lm's own `LayerCache`, so the model runs its own cache code:
   dequantized as they are written (mx.quantize, 16-bit scales, the Hadamard
   rotation undone): what attending over a quantized field must equal;
 - `TwinLayerCache` holds the exact rows the model attends over, hands the
-  same writes to a `KVQLayerCache` and records, per field, its worst error
+  same writes to a `KVQDeepseekV41Cache` and records, per field, its worst error
   as a fraction of the quantization bound.
 """
 
@@ -17,7 +17,7 @@ import math
 import mlx.core as mx
 from mlx_lm.models.deepseek_v41 import LayerCache
 
-from mlx_kvq.caches import KVQLayerCache
+from mlx_kvq.caches import KVQDeepseekV41Cache
 from mlx_kvq.config import QuantSpec
 from mlx_kvq.quant import scale_dtype
 
@@ -93,7 +93,7 @@ class TwinLayerCache(LayerCache):
     (`worst`); the window the twin returns from `update_window` counts as
     its window rows."""
 
-    def __init__(self, twin: KVQLayerCache):
+    def __init__(self, twin: KVQDeepseekV41Cache):
         self.twin = twin
         self._rows: dict[str, mx.array | None] = {}
         self.worst = dict.fromkeys(twin.leaves, 0.0)

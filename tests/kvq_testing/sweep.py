@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from mlx_kvq.caches import KVQCache, cache_report
 from mlx_kvq.config import KVConfig, UnsupportedKVConfig
-from mlx_kvq.distributed.loading import KV_HEADS, model_module, sharding_support
+from mlx_kvq.distributed.loading import model_module, replicates_kv_heads, sharding_support
 from mlx_kvq.plan import KV_KINDS, plan_kv
 
 from . import archs
@@ -247,7 +247,7 @@ def _distributed(results: list[SweepResult]) -> list[str]:
             continue
         if not r.tensor:
             heads = "-"
-        elif module in KV_HEADS:
+        elif replicates_kv_heads(module):
             heads = "replicated"
         else:
             heads = "if its shard() keeps them whole, else refused"

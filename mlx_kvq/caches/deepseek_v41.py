@@ -12,7 +12,7 @@ code reads and writes itself (mlx_lm/models/deepseek_v41.py):
 - `pending_kv`, `pending_gate`: float32 rows of the group still open (fewer
   than `ratio`): working state, not KV.
 
-`KVQLayerCache` keeps each KV field the plan declares in a quantized leaf,
+`KVQDeepseekV41Cache` keeps each KV field the plan declares in a quantized leaf,
 shows the model dequantized rows, and takes its assignments: an array with
 more rows than the field holds appends the new rows (the model only appends
 to these fields, so the first rows of what it assigns are the rows it read);
@@ -158,12 +158,12 @@ LEAF_CLASSES = {"window": KVQWindowRows, "compress_kv": KVQCompressedRows, "inde
 class PendingRows:
     """A layer's rows of the compression group still open: a report view,
     not a cache (its rows live in the layer cache's state), so it is listed
-    by `KVQLayerCache.report_members`, never among the `caches` that tools
+    by `KVQDeepseekV41Cache.report_members`, never among the `caches` that tools
     walk as mlx-lm caches."""
 
     field = "pending"
 
-    def __init__(self, owner: KVQLayerCache):
+    def __init__(self, owner: KVQDeepseekV41Cache):
         self.owner = owner
 
     @property
@@ -178,7 +178,7 @@ class PendingRows:
 
 
 class _Field:
-    """A KV field of `KVQLayerCache` as the model code sees it."""
+    """A KV field of `KVQDeepseekV41Cache` as the model code sees it."""
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
@@ -193,7 +193,7 @@ class _Field:
         obj._assign(self.name, value)
 
 
-class KVQLayerCache(BaseCache):
+class KVQDeepseekV41Cache(BaseCache):
     """The quantized twin of deepseek_v41's `LayerCache`; see the module docstring."""
 
     window = _Field()
@@ -216,7 +216,7 @@ class KVQLayerCache(BaseCache):
         cache,
         fields: dict[str, tuple[int, QuantSpec, QuantSpec]],
         start: int = 0,
-    ) -> KVQLayerCache:
+    ) -> KVQDeepseekV41Cache:
         """The twin of a (possibly filled) `LayerCache`: `fields` maps each KV
         field to quantize to (its ratio, key spec, value spec); its rows,
         offset and open group carry over."""
@@ -324,7 +324,7 @@ class KVQLayerCache(BaseCache):
 
     # -- a batch of one -----------------------------------------------------
     @classmethod
-    def merge(cls, caches: list) -> KVQLayerCache:
+    def merge(cls, caches: list) -> KVQDeepseekV41Cache:
         if len(caches) != 1:
             raise ValueError(
                 "deepseek_v41 runs one sequence at a time (its positions are one number "
@@ -336,7 +336,7 @@ class KVQLayerCache(BaseCache):
         if list(batch_indices) != [0]:
             raise ValueError(f"a batch of one keeps row 0, not {list(batch_indices)}")
 
-    def extract(self, idx: int) -> KVQLayerCache:
+    def extract(self, idx: int) -> KVQDeepseekV41Cache:
         if idx != 0:
             raise ValueError(f"a batch of one has row 0, not {idx}")
         return copy.deepcopy(self)
