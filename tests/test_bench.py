@@ -13,7 +13,7 @@ import pytest
 
 from mlx_kvq.bench import report
 from mlx_kvq.bench import run as bench_run
-from mlx_kvq.bench.settings import SECTIONS, quick
+from mlx_kvq.bench.settings import DEFAULT_SECTIONS, quick
 from mlx_kvq.commands import bench as bench_command
 from mlx_kvq.commands import main
 
@@ -40,7 +40,7 @@ def _stat_ok(d: dict) -> bool:
 def test_json_has_every_section_and_configuration(quick_run):
     _, result = quick_run
     s = quick()
-    assert result["settings"]["sections"] == list(SECTIONS)
+    assert result["settings"]["sections"] == list(DEFAULT_SECTIONS)
     assert result["environment"]["mlx"] and result["environment"]["device"]
     assert result["command"].startswith("mlx-kvq bench --quick")
     assert result["duration_s"] > 0

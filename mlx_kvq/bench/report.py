@@ -137,6 +137,10 @@ def goals(result: dict) -> list[dict]:
                         GOAL_SERVING_RATIO,
                     )
                 )
+    if result.get("servers"):
+        from .servers_bench import goals as servers_goals
+
+        out += servers_goals(result["servers"])
     return out  # fmt: skip
 
 
@@ -198,6 +202,7 @@ def markdown(result: dict) -> str:
                 else (f"{x['value']:.2%}" if "deviation" in x["goal"] else f"{x['value']:.2f}")
             )
             tgt = f"{x['target']:.0%}" if "deviation" in x["goal"] else f"{x['target']:.2f}"
+            tgt = f"at most {tgt}" if x.get("at_most") else tgt
             met = {True: "yes", False: "**no**", None: "n/a"}[x["met"]]
             note = f" ({x['note']})" if x.get("note") else ""
             lines.append(f"| {x['goal']} | {val}{note} | {tgt} | {met} |")
@@ -376,6 +381,10 @@ def markdown(result: dict) -> str:
         from .budget_bench import markdown as budget_markdown
 
         lines += budget_markdown(result["budget"])
+    if result.get("servers"):
+        from .servers_bench import markdown as servers_markdown
+
+        lines += servers_markdown(result["servers"])
     if result.get("plots"):
         lines += (
             ["## Plots", ""]

@@ -22,6 +22,7 @@ SECTION_MODULES = {
     "memory": "memory_bench",
     "serving": "serving_bench",
     "budget": "budget_bench",
+    "servers": "servers_bench",
 }
 SECTION_TITLES = {
     "attention": "attention alone",
@@ -29,6 +30,7 @@ SECTION_TITLES = {
     "memory": "memory",
     "serving": "serving",
     "budget": "serving under a KV memory budget",
+    "servers": "mlx-kvq serve against mlx_lm.server over HTTP",
 }
 
 
@@ -110,6 +112,7 @@ def run(
     for g in result["goals"]:
         met = {True: "met", False: "NOT MET", None: "n/a"}[g["met"]]
         val = "-" if g["value"] is None else f"{g['value']:.3f}"
-        log(f"goal: {g['goal']}: {val} (target {g['target']}) {met}")
+        target = f"at most {g['target']}" if g.get("at_most") else g["target"]
+        log(f"goal: {g['goal']}: {val} (target {target}) {met}")
     log(f"wrote {out / 'bench.json'} and {out / 'bench.md'} in {result['duration_s']:.0f} s")
     return 1 if failed else 0

@@ -37,12 +37,15 @@ MODELS: dict[str, dict] = {
     ),
 }  # fmt: skip
 
-SECTIONS = ("attention", "model", "memory", "serving", "budget")
+SECTIONS = ("attention", "model", "memory", "serving", "budget", "servers")
+# what a run measures unless --sections says otherwise: the servers section
+# needs a real model (--model) and starts processes
+DEFAULT_SECTIONS = ("attention", "model", "memory", "serving", "budget")
 
 
 @dataclass
 class BenchSettings:
-    sections: tuple[str, ...] = SECTIONS
+    sections: tuple[str, ...] = DEFAULT_SECTIONS
     dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
     bits: tuple[int, ...] = (8, 4)  # quantized settings compared with unquantized
     group_size: int = 64
@@ -85,6 +88,16 @@ class BenchSettings:
     budget_prompt: int = 128
     budget_tokens: int = 128
     budget_repeats: int = 2
+    # mlx-kvq serve against mlx_lm.server over HTTP on one model (servers_bench.py)
+    server_model: str | None = None  # an mlx-lm model directory
+    server_arms: tuple[str, ...] = ("", "--kv-bits 0")  # serve flags per arm ("": defaults)
+    server_streams: tuple[int, ...] = (1, 16)
+    server_prompt: int = 80  # prompt tokens per request
+    server_tokens: int = 96  # answer tokens per request (fewer where the model stops)
+    server_mixed: tuple[int, int, int] = (4096, 256, 15)  # one long prompt beside shorts
+    server_long: int = 15000  # time to first token on a prompt this long (0: not measured)
+    server_rounds: int = 2
+    server_text: str | None = None  # prompts are cut from it (default: the demo texts)
 
     def to_dict(self) -> dict:
         d = asdict(self)

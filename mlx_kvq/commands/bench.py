@@ -34,6 +34,10 @@ def settings_from_args(args: argparse.Namespace):
         "budget_memory": args.budget_memory, "budget_requests": args.budget_requests,
         "budget_prompt": args.budget_prompt, "budget_tokens": args.budget_tokens,
         "reference_blas_contexts": args.reference_blas_contexts,
+        "server_arms": args.server_arms, "server_streams": args.server_streams,
+        "server_prompt": args.server_prompt, "server_tokens": args.server_tokens,
+        "server_mixed": args.server_mixed, "server_long": args.server_long,
+        "server_rounds": args.server_rounds, "server_text": args.server_text,
     }  # fmt: skip
     s = replace(s, **{k: v for k, v in changes.items() if v is not None})
     if args.model_config:
@@ -44,12 +48,25 @@ def settings_from_args(args: argparse.Namespace):
             else json.loads(Path(text).read_text())
         )
         s = replace(s, model_config=cfg)
+    if args.model:
+        s = replace(s, server_model=_model_directory(args.model))
     unknown = set(s.sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown bench sections {sorted(unknown)}; choose from {SECTIONS}")
+    if "servers" in s.sections and not s.server_model:
+        raise ValueError("the servers section runs both servers on a real model: pass --model")
     if args.memory_dtype is None and s.memory_dtype not in s.dtypes:
         s = replace(s, memory_dtype=s.dtypes[0])
     return s
+
+
+def _model_directory(model: str) -> str:
+    """`--model` as a directory both servers load (a GGUF file converted once)."""
+    from ..demo import resolve_model
+    from .startup import model_directory
+
+    location, _ = resolve_model(model)
+    return model_directory(location, "--model")[0]
 
 
 def run(args: argparse.Namespace) -> int:

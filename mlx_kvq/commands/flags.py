@@ -601,7 +601,7 @@ def _tuple_ints(text: str) -> tuple[int, ...]:
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
-    from ..bench.settings import MODELS, SECTIONS, BenchSettings
+    from ..bench.settings import DEFAULT_SECTIONS, MODELS, SECTIONS, BenchSettings
 
     d = BenchSettings()
     p.add_argument(
@@ -612,7 +612,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
         "--sections",
         type=_tuple_names,
         default=None,
-        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: "
+        f"{','.join(DEFAULT_SECTIONS)}; servers: mlx-kvq serve against mlx_lm.server on --model)",
     )
     p.add_argument(
         "--dtypes", type=_tuple_names, default=None, help=f"default {','.join(d.dtypes)}"
@@ -694,8 +695,75 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--budget-tokens", type=int, default=None, help="generated tokens per request there (128)"
     )
+    add_model_flag(p)
+    p.add_argument(
+        "--server-arms",
+        type=_arms,
+        default=None,
+        help="servers section: the mlx-kvq serve flags of each arm, ';'-separated, 'default' "
+        "for none (default: 'default;--kv-bits 0'); mlx_lm.server is always the baseline",
+    )
+    p.add_argument(
+        "--server-streams",
+        type=_tuple_ints,
+        default=None,
+        help=f"servers section: concurrent requests (default {_csv(d.server_streams)})",
+    )
+    p.add_argument(
+        "--server-prompt",
+        type=int,
+        default=None,
+        help=f"servers section: prompt tokens per request (default {d.server_prompt})",
+    )
+    p.add_argument(
+        "--server-tokens",
+        type=int,
+        default=None,
+        help=f"servers section: answer tokens per request (default {d.server_tokens})",
+    )
+    p.add_argument(
+        "--server-mixed",
+        type=_mixed,
+        default=None,
+        help="servers section: one long prompt beside short ones, LONG,SHORT,COUNT tokens "
+        f"(default {_csv(d.server_mixed)}; 0,0,0 for none)",
+    )
+    p.add_argument(
+        "--server-long",
+        type=int,
+        default=None,
+        help="servers section: time to first token on a prompt of this many tokens, cold "
+        f"and repeated (default {d.server_long}; 0 for none)",
+    )
+    p.add_argument(
+        "--server-rounds",
+        type=int,
+        default=None,
+        help=f"servers section (default {d.server_rounds})",
+    )
+    p.add_argument(
+        "--server-text",
+        default=None,
+        help="servers section: the text prompts are cut from (default: the demo texts)",
+    )
     p.add_argument("--no-plots", action="store_true")
     add_seed_flag(p)
+
+
+def _csv(values: tuple) -> str:
+    return ",".join(str(v) for v in values)
+
+
+def _arms(text: str) -> tuple[str, ...]:
+    parts = [p.strip() for p in text.split(";")]
+    return tuple("" if p in ("", "default") else p for p in parts)
+
+
+def _mixed(text: str) -> tuple[int, int, int]:
+    values = _tuple_ints(text)
+    if len(values) != 3 or min(values) < 0:
+        raise argparse.ArgumentTypeError("LONG,SHORT,COUNT: three token counts, e.g. 4096,256,15")
+    return values  # type: ignore[return-value]
 
 
 def _tuple_names(text: str) -> tuple[str, ...]:
