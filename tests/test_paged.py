@@ -669,3 +669,33 @@ def test_promises_and_the_storage_limit():
     assert pool.capacity == 4 and pages.overdrafts == 1
     pages.close(5)
     assert pages.use()[(0, None)].promised == 0
+
+
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_raw_rows_attended_in_groups_match_one_row_at_a_time(L, sinks):
+    """Raw blocks: rows of mixed lengths gathered by groups give each row what
+    attending it alone gives (windowed too)."""
+    pool = BlockPool(16, QuantSpec(None), QuantSpec(None))
+    data = Data(5)
+    batch = _batch(pool, rows=4)
+    batch.prepare(lengths=[700, 40, 650, 90], right_padding=[0, 660, 50, 610])
+    batch.update_and_fetch(*data.kv(4, 700))
+    batch.finalize()
+    assert attention._row_groups([44, 3, 41, 6]) == [[0, 2], [3], [1]]
+    assert attention._row_groups([5, 5, 4, 5]) == [[0, 1, 3, 2]]
+    for window in (None, 300):
+        batch.window = window
+        kk, vv = batch.update_and_fetch(*data.kv(4, L))
+        assert not kk.quantized
+        q = data.q(4, L)
+        s = mx.array(np.linspace(-1, 1, NQ).astype(np.float32)) if sinks else None
+        got = attention.paged_attention(q, kk, vv, D**-0.5, None, s)
+        for b in range(4):
+
+            def one(x, b=b):
+                return PagedKV(x.pool, x.tables[b : b + 1], x.bases[b : b + 1],
+                               x.ends[b : b + 1], x.block_size, x.window)  # fmt: skip
+
+            want = attention.paged_attention(q[b : b + 1], one(kk), one(vv), D**-0.5, None, s)
+            assert mx.abs(got[b : b + 1] - want).max().item() < 1e-4
