@@ -75,6 +75,16 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
     )
 
 
+def _ll_tokenizer(hf: Any, eos: list[int]) -> Any:
+    """llguidance's tokenizer from the fast tokenizer's JSON. `from_tokenizer`
+    copies the tokenizer first to drop padding and truncation (seconds on a
+    large vocabulary, at every start): done only where either is set."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None or backend.padding is not None or backend.truncation is not None:
+        return llguidance.hf.from_tokenizer(hf, eos_token=eos)
+    return llguidance.LLTokenizer(backend.to_str(), eos_token=eos)
+
+
 class GrammarError(ValueError):
     """The output cannot continue under the request's grammar."""
 
@@ -91,9 +101,7 @@ class Grammars:
         self.reason: str | None = None
         self._tokenizer = None
         try:
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                hf_tokenizer(tokenizer), eos_token=list(tokenizer.eos_token_ids)
-            )
+            self._tokenizer = _ll_tokenizer(hf_tokenizer(tokenizer), list(tokenizer.eos_token_ids))
             self.processor(json_grammar(None))  # the real path, once, at startup
         except Exception as e:  # noqa: BLE001 - any failure means: no grammars here
             self._tokenizer = None
