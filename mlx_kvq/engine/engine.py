@@ -177,7 +177,7 @@ class Engine:
                 return
             self._reporter.warmed_up(verdict.report or {})
             self.readiness.set_ready(verdict.report or {})
-            self._reporter.publish()
+            self._reporter.publish(force=True)
             while not self._failed.is_set() and self.step():
                 pass
             self._shutdown(SHUTTING_DOWN, normal=True)
@@ -209,7 +209,7 @@ class Engine:
         self._end_all(reason)
         self.memory.serving = False
         self.runner.close()
-        self._reporter.publish()
+        self._reporter.publish(force=True)
 
     def _end_all(self, reason: str) -> None:
         """Refuse new requests and answer every queued and running one with an error."""

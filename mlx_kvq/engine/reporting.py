@@ -2,10 +2,15 @@
 
 `Reporter.publish` reads what the caches, the block pools, the memory
 accounting, the queue and the prompt cache hold now and writes it into
-`EngineMetrics`, which `/metrics`, `/status` and the page read.
+`EngineMetrics`, which `/metrics`, `/status` and the page read. Reading
+them walks every cache and block pool (milliseconds, a large share of a
+one-row decode step), so between changes of the batch or the queue they are
+read at most every `PUBLISH_EVERY_S`.
 """
 
 from __future__ import annotations
+
+import time
 
 from mlx_kvq.caches import cache_report
 from mlx_kvq.plan import KV_KINDS
@@ -17,6 +22,8 @@ from .output import OutputProcessor
 from .prompt_cache import PromptCache
 from .runner import BatchRunner
 from .scheduler import RequestStatus, Scheduler
+
+PUBLISH_EVERY_S = 0.25
 
 
 class Reporter:
@@ -40,13 +47,25 @@ class Reporter:
         self.inbox = inbox
         self.output = output
         self.kv_fraction = (0, 0)  # (quantized KV slots, KV slots) last seen
+        self._last: tuple = ()
+        self._last_at = float("-inf")
 
     def warmed_up(self, report: dict) -> None:
         """The warm-up batch's KV slots, until live sequences show theirs."""
         kv = [k for kind, k in report.get("batch", {}).items() if kind in KV_KINDS]
         self.kv_fraction = (sum(k["quantized"] for k in kv), sum(k["slots"] for k in kv))
 
-    def publish(self) -> None:
+    def publish(self, force: bool = False) -> None:
+        """Read the state into the metrics: now when `force`d or when the batch
+        or the queue changed, else at most every `PUBLISH_EVERY_S`."""
+        seen = (
+            tuple(self.scheduler.running), len(self.scheduler.waiting), self.inbox.waiting,
+            tuple(self.runner.rows), self.output.batch_size, self.runner.lane_busy,
+        )  # fmt: skip
+        now = time.monotonic()
+        if not force and seen == self._last and now - self._last_at < PUBLISH_EVERY_S:
+            return
+        self._last, self._last_at = seen, now
         live = bool(self.scheduler.running) or self.runner.lane_busy
         report = cache_report(self.runner.caches()) if live else []
         by_kind: dict[str, int] = {}
