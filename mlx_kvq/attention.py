@@ -371,11 +371,11 @@ def paged_attention(
     one): the model's own mask, laid out for a padded batch, does not apply,
     so only None and "causal" are accepted. On the CPU with the native
     kernels, few query rows (decode) read the blocks in place through the
-    tables (`kernels.paged_attention`). Otherwise (prefill chunks, raw
-    storage, Metal and any other backend) each row's blocks are gathered
-    into a contiguous copy of that row only and attended with MLX's
-    operations (`quantized_attention`, or `mx.fast` for raw K/V): nothing is
-    padded to the longest row.
+    tables (`kernels.paged_attention`). Raw K/V are gathered for groups of
+    rows of similar length and attended with `mx.fast` (`_paged_raw_grouped`).
+    Otherwise (quantized prefill chunks, Metal and any other backend) each
+    row's blocks are gathered into a contiguous copy of that row only and
+    attended with `quantized_attention`: nothing is padded to the longest row.
     """
     if mask is not None and not isinstance(mask, str):
         raise ValueError(
@@ -394,7 +394,7 @@ def paged_attention(
         if values.rotated:
             out = rotate(out)
         return out.astype(queries.dtype)
-    if not keys.quantized and not values.quantized and B > 1:
+    if not keys.quantized and not values.quantized:
         return _paged_raw_grouped(queries, keys, values, scale, sinks)
     out = []
     for b in range(B):
@@ -403,15 +403,7 @@ def paged_attention(
         m = None
         if L > 1 or (keys.window is not None and end - base > keys.window):
             m = _position_mask(L, base, end, keys.window)
-        q = queries[b : b + 1]
-        if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):
-            out.append(quantized_attention(q, k, v, scale, m, sinks))
-        else:
-            out.append(
-                mx.fast.scaled_dot_product_attention(
-                    q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=m, sinks=sinks
-                )
-            )
+        out.append(quantized_attention(queries[b : b + 1], k, v, scale, m, sinks))
     return out[0] if B == 1 else mx.concatenate(out, axis=0)
 
 
@@ -465,7 +457,7 @@ def _paged_raw_grouped(
         q = queries if rows == list(range(B)) else queries[mx.array(rows)]
         k = _gather_rows(keys.pool, ids).astype(q.dtype)
         v = _gather_rows(values.pool, ids).astype(q.dtype)
-        mask = mx.array(visible[:, None])
+        mask = None if visible.all() else mx.array(visible[:, None])
         outs.append(
             mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
         )

@@ -48,6 +48,7 @@ truth, and the engine measures what the caches really hold after every step
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -149,13 +150,14 @@ class CostModel:
         `prompting` in their prompt), each block once per holder."""
         if not self.block_size:
             return 0
-        pending = list(prompting)
+        pending = Counter(prompting)
         total = 0
-        for s in shapes:
-            in_prompt = s in pending
+        for s, n in Counter(shapes).items():  # equal shapes priced once
+            in_prompt = min(n, pending[s])
             if in_prompt:
-                pending.remove(s)
-            total += self.blocks_bytes(self.promise(s, in_prompt))
+                total += in_prompt * self.blocks_bytes(self.promise(s, True))
+            if n > in_prompt:
+                total += (n - in_prompt) * self.blocks_bytes(self.promise(s, False))
         return total
 
     # -- one slot ------------------------------------------------------------
