@@ -91,6 +91,7 @@ class Engine:
         self._reporter = parts.reporter
         self._failed = threading.Event()
         self._stopping = threading.Event()
+        self._settled = False  # an idle step has settled and published since the last work
         self._thread = threading.Thread(target=self._run, name="mlx-kvq-engine", daemon=True)
 
     @property
@@ -191,6 +192,11 @@ class Engine:
         self._apply(commands)
         if commands.stop:
             return False
+        idle = not commands and not self.scheduler.busy and not self.runner.rows
+        idle = idle and not self.runner.lane_busy
+        if idle and self._settled:
+            return True  # nothing changed since the last idle step settled and measured
+        self._settled = idle
         self._executor.run()
         if self.runner.rows:
             self._output.batch_step(self.runner.step())

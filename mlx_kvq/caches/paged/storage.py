@@ -67,6 +67,7 @@ class BlockStorage:
         self.keys: Store | None = None
         self.values: Store | None = None
         self.blocks = 0
+        self._block_bytes = 0
 
     @property
     def nbytes(self) -> int:
@@ -75,7 +76,7 @@ class BlockStorage:
 
     @property
     def block_bytes(self) -> int:
-        return self.nbytes // self.blocks if self.blocks else 0
+        return self._block_bytes if self.blocks else 0
 
     def encode(self, keys: mx.array, values: mx.array) -> tuple[Store, Store]:
         """`keys`/`values` (B, H, N, D) stored as this storage stores them."""
@@ -94,6 +95,7 @@ class BlockStorage:
             return mx.zeros((add, self.block_size, a.shape[1], a.shape[-1]), a.dtype)
 
         new_k, new_v = k.map(zeros), v.map(zeros)
+        self._block_bytes = (new_k.nbytes + new_v.nbytes) // add  # fixed by the first tokens
         if self.keys is None:
             self.keys, self.values = new_k, new_v
         else:
