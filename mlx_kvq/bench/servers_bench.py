@@ -72,6 +72,11 @@ class Arm:
     flags: tuple[str, ...]
     baseline: bool = False
 
+    def display(self, model: str) -> str:
+        """The command line a user would type for this arm."""
+        name = BASELINE if self.baseline else "mlx-kvq serve"
+        return " ".join([name, "--model", model, *self.flags])
+
     def command(self, model: str, port: int) -> list[str]:
         where = ["--model", model, "--host", "127.0.0.1", "--port", str(port)]
         if self.baseline:
@@ -325,8 +330,7 @@ def run(settings: BenchSettings, log=print) -> dict:
     out: dict = {
         "model": model,
         "endpoint": "/v1/completions, greedy, non-streaming",
-        "arms": {s.arm.name: " ".join(s.arm.command(model, 0)[3 if s.arm.baseline else 1 :])
-                 for s in servers},
+        "arms": {s.arm.name: s.arm.display(model) for s in servers},
         "load_average_start": _load(),
     }  # fmt: skip
     scenarios = _scenarios(settings)
