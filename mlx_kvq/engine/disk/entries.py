@@ -27,6 +27,7 @@ from enum import Enum
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
@@ -34,7 +35,7 @@ from mlx_kvq.caches import PROMPT_FILE_CLASSES, KVQPagedSequence, Pages
 from mlx_kvq.config import QuantSpec
 from mlx_kvq.quant import Store
 
-from .records import Record, RecordError, Skip
+from .records import Record, RecordError, Skip, device_array
 
 
 class Form(str, Enum):
@@ -188,20 +189,30 @@ def _store(parts: list[mx.array], spec: QuantSpec, name: str) -> Store:
 
 
 def tokens_of(
-    record: Record, form: LeafForm, pool_spec: PoolSpec, lo: int = 0, hi: int | None = None
+    pieces: Sequence[tuple[Record, int]], form: LeafForm, pool_spec: PoolSpec
 ) -> tuple[Store, Store]:
-    """A paged leaf's K/V in `record` (token-major `(n, H, D')` parts), tokens
-    `[lo, hi)` of them."""
-    ks, vs = [], []
-    for i in range(3):
-        for out, p in ((ks, "k"), (vs, "v")):
+    """A paged leaf's K/V held by `pieces` (records, each from its token `lo`
+    on), one after the other: token-major `(n, H, D')` stores."""
+    stores = []
+    for p, spec in (("k", pool_spec.key_spec), ("v", pool_spec.value_spec)):
+        parts = []
+        for i in range(3):
             name = f"{form.name}.{p}{i}"
-            if name in record.tensors:
-                out.append(record.tensor(name)[lo:hi])
-    return (
-        _store(ks, pool_spec.key_spec, form.name),
-        _store(vs, pool_spec.value_spec, form.name),
-    )
+            views = [record.tensors[name][lo:] for record, lo in pieces if name in record.tensors]
+            if not views:
+                break
+            if len(views) != len(pieces):
+                raise RecordError(Skip.CORRUPT, f"layer {form.name}: {name} missing from a file")
+            dtype = pieces[0][0].dtypes[name]
+            if any(record.dtypes[name] != dtype for record, _ in pieces):
+                raise RecordError(Skip.CORRUPT, f"layer {form.name}: {name} changes dtype")
+            try:
+                joined = views[0] if len(views) == 1 else np.concatenate(views)
+            except ValueError as e:
+                raise RecordError(Skip.CORRUPT, f"layer {form.name}: {name}: {e}") from None
+            parts.append(device_array(joined, dtype))
+        stores.append(_store(parts, spec, form.name))
+    return stores[0], stores[1]
 
 
 def check_fits(leaf: KVQPagedSequence, k: Store, v: Store, name: str) -> None:
@@ -224,13 +235,19 @@ def _batch_form(s: Store) -> Store:
     return s.map(lambda a: a.transpose(1, 0, 2)[None])
 
 
-def append(leaf: KVQPagedSequence, k: Store, v: Store, name: str) -> None:
-    """Append tokens (token-major stores) to a paged leaf's table."""
+def append(leaf: KVQPagedSequence, k: Store, v: Store, name: str, total: int = 0) -> None:
+    """Append tokens (token-major stores) to a paged leaf's table; `total`: the
+    tokens it will hold once every append is done (its pool grows once)."""
     n = k.parts[0].shape[0]
     if not n:
         return
     check_fits(leaf, k, v, name)
-    blocks, slots = leaf.table.reserve(n, _batch_form(k), _batch_form(v))
+    kb, vb = _batch_form(k), _batch_form(v)
+    t = leaf.table
+    if total:
+        bs = leaf.pool.block_size
+        leaf.pool.make_free(-(-(total - t.base) // bs) - len(t.ids), kb, vb)
+    blocks, slots = t.reserve(n, kb, vb)
     leaf.pool.write(blocks, slots, k, v)
 
 

@@ -17,6 +17,7 @@ reader opens (`is_temporary`) and the next start removes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import struct
@@ -242,7 +243,7 @@ def read_record(path: Path, fingerprint: str) -> Record:
     try:
         for name, dtype, shape, offset, nbytes, crc in header["tensors"]:
             np_dtype = _NP_DTYPES[dtype]
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            count = math.prod(int(x) for x in shape)
             if count * np_dtype.itemsize != nbytes or offset < 0 or offset + nbytes > len(data):
                 raise ValueError(f"tensor {name} does not fit its bytes")
             view = memoryview(data)[offset : offset + nbytes]

@@ -309,21 +309,18 @@ class DiskTier:
         not fit in memory, None when a file did not check out (removed)."""
         t0 = time.perf_counter()
         d = self.directory
-        C = self.chunk_tokens
-        length = found.length
-        forms = self.template
-        entry: Record | None = None
-        path: Path | None = None
         leaves: list[Any] = []
+        path: Path | None = None
         try:
+            entry = None
             if found.entry is not None:
                 path = found.entry.path
                 entry = read_record(path, d.fp.digest)
-                forms = self._check_entry(entry, found)
+            forms = self.template if entry is None else self._check_entry(entry, found)
             full = [f for f in forms if f.form is Form.FULL]
-            held = {} if not full else self.pages.match(tokens[: length + 1])
-            matched = self._matched(held, length, full)
-            first_chunk = matched // C if full else found.chunks  # no chunk files without FULL
+            held = self.pages.match(tokens[: found.length + 1]) if full else {}
+            matched = self._matched(held, found.length, full)
+            first_chunk = matched // self.chunk_tokens if full else found.chunks
             need = sum(d.chunk_bytes(x) for x in found.digests[first_chunk:])
             need += 0 if entry is None else entry.nbytes
             room = self._room()
@@ -332,48 +329,16 @@ class DiskTier:
                     self._skips[Skip.NO_ROOM.value] += 1
                     log.info(
                         "request %d: %d prompt tokens on disk not read: the prompt cache has "
-                        "room for %d of their %d bytes", request_id, length, room, need,
+                        "room for %d of their %d bytes", request_id, found.length, room, need,
                     )  # fmt: skip
                 return 0
-            by_key = {}
-            for f in full:
-                spec = self.pools[f.key]
-                pool = self.pages.pool(f.key, spec.key_spec, spec.value_spec, spec.window)
-                ids = held.get(f.key, [])[: matched // pool.block_size]
-                pool.incref(ids)
-                leaf = KVQPagedSequence(pool, None, BlockTable(pool, list(ids), 0, matched))
-                by_key[f.key] = leaf
-                leaves.append(leaf)
-            files = 0
+            chunks = []
             for i in range(first_chunk, found.chunks):
                 path = d.chunk_path(found.digests[i])
-                chunk = read_record(path, d.fp.digest)
-                self._check_chunk(chunk, found, tokens, i, [f.name for f in full])
-                lo = max(0, matched - i * C)
-                for f in full:
-                    k, v = tokens_of(chunk, f, self.pools[f.key], lo)
-                    append(by_key[f.key], k, v, f.name)
-                files += 1
-            built = []
-            for i, f in enumerate(forms):
-                if f.form is Form.FULL:
-                    if entry is not None:
-                        lo = max(0, matched - found.chunks * C)
-                        k, v = tokens_of(entry, f, self.pools[f.key], lo)
-                        append(by_key[f.key], k, v, f.name)
-                    built.append(by_key[f.key])
-                elif f.form is Form.WINDOW:
-                    stored = entry.header["leaves"][i]
-                    k, v = tokens_of(entry, f, self.pools[f.key])
-                    leaf = window_sequence(self.pages, f, self.pools[f.key], k, v, length)
-                    if int(stored["start"]) + k.parts[0].shape[0] != length:
-                        raise RecordError(
-                            Skip.CORRUPT, f"layer {f.name}: its window ends elsewhere"
-                        )
-                    leaves.append(leaf)
-                    built.append(leaf)
-                else:
-                    built.append(state_leaf(f, entry, entry.header["leaves"][i]))
+                chunks.append(read_record(path, d.fp.digest))
+                self._check_chunk(chunks[-1], found, tokens, i, [f.name for f in full])
+            path = None
+            built = self._build(forms, found, entry, chunks, held, matched, leaves)
         except RecordError as e:
             release(leaves)
             self._skips[e.reason.value] += 1
@@ -387,9 +352,8 @@ class DiskTier:
         segment = Segment(found.entry.segment) if found.entry is not None else Segment.CONTEXT
         self._restoring = True
         try:
-            stored = self.staging.store_prompt(
-                list(tokens[:length]), assemble(forms, built), segment
-            )
+            caches = assemble(forms, built)
+            stored = self.staging.store_prompt(list(tokens[: found.length]), caches, segment)
         finally:
             self._restoring = False
         if not stored:
@@ -397,21 +361,51 @@ class DiskTier:
             if first:
                 self._skips[Skip.NO_ROOM.value] += 1
             return 0
-        used = (
-            [d.chunk_path(x) for x in found.digests]
-            if any(f.form is Form.FULL for f in forms)
-            else []
-        )
+        used = [d.chunk_path(x) for x in found.digests] if full else []
         self.writer.touch(used + ([found.entry.path] if found.entry is not None else []))
         self._hits += 1
-        self._tokens += length - have
+        self._tokens += found.length - have
         log.info(
-            "request %d: %d prompt tokens read from the prompt cache dir (%d reused from memory, "
-            "%d files, %.1f MB) in %.2fs instead of prefilled",
-            request_id, length, matched, files + (entry is not None), need / 1e6,
+            "request %d: %d prompt tokens read from the prompt cache dir (%d of them mapped "
+            "from memory; %d files, %.1f MB) in %.2fs instead of prefilled",
+            request_id, found.length, matched, len(chunks) + (entry is not None), need / 1e6,
             time.perf_counter() - t0,
         )  # fmt: skip
-        return length - have
+        return found.length - have
+
+    def _build(self, forms, found: Found, entry, chunks, held, matched, leaves) -> list:
+        """The leaves of `found` from its records (the FULL leaves starting from
+        the `matched` tokens memory's blocks hold), written into the pools;
+        every paged leaf made is added to `leaves` (released on failure)."""
+        C = self.chunk_tokens
+        first = found.chunks - len(chunks)
+        pieces = [(r, max(0, matched - (first + i) * C)) for i, r in enumerate(chunks)]
+        if entry is not None:
+            pieces.append((entry, max(0, matched - found.chunks * C)))
+        built = []
+        for i, f in enumerate(forms):
+            spec = self.pools.get(f.key)
+            if f.form is Form.FULL:
+                pool = self.pages.pool(f.key, spec.key_spec, spec.value_spec, spec.window)
+                ids = held.get(f.key, [])[: matched // pool.block_size]
+                pool.incref(ids)
+                leaf = KVQPagedSequence(pool, None, BlockTable(pool, list(ids), 0, matched))
+                leaves.append(leaf)
+                if pieces:
+                    k, v = tokens_of(pieces, f, spec)
+                    append(leaf, k, v, f.name, found.length)
+                if leaf.table.length != found.length:
+                    raise RecordError(Skip.CORRUPT, f"layer {f.name}: the files hold other lengths")
+            elif f.form is Form.WINDOW:
+                k, v = tokens_of([(entry, 0)], f, spec)
+                if int(entry.header["leaves"][i]["start"]) + k.parts[0].shape[0] != found.length:
+                    raise RecordError(Skip.CORRUPT, f"layer {f.name}: its window ends elsewhere")
+                leaf = window_sequence(self.pages, f, spec, k, v, found.length)
+                leaves.append(leaf)
+            else:
+                leaf = state_leaf(f, entry, entry.header["leaves"][i])
+            built.append(leaf)
+        return built
 
     def _matched(self, held: dict, length: int, full: list[LeafForm]) -> int:
         """Tokens at the start of the prefix whose blocks every FULL leaf's pool
