@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -127,6 +127,7 @@ class DiskDirectory:
         self._known: dict[Path, EntryInfo] = {}  # entry headers read, by path
         self.nbytes = 0
         self.evictions = 0
+        self.invalid: Counter[str] = Counter()  # records of ours removed by a count, by reason
         self.census: Census | None = None
         self._stamp = ""
         self._writes = 0
@@ -171,7 +172,7 @@ class DiskDirectory:
         (self.root / ".lock").touch(exist_ok=True)
         with self.locked():
             removed = self._remove_temporary()
-            invalid = self._scan()
+            self._scan()
             self._make_room(0)
             described = self.home / "fingerprint.json"
             if not described.exists():
@@ -183,7 +184,7 @@ class DiskDirectory:
             foreign = [(p, n) for p, n in self._files.items() if self.home not in p.parents]
             self.census = Census(
                 len(self._files), self.nbytes, len(self._known), len(self._chunks),
-                len(foreign), sum(n for _, n in foreign), removed, invalid,
+                len(foreign), sum(n for _, n in foreign), removed, sum(self.invalid.values()),
             )  # fmt: skip
         return self.census
 
@@ -224,9 +225,9 @@ class DiskDirectory:
             )  # fmt: skip
         return n
 
-    def _scan(self) -> int:
+    def _scan(self) -> None:
         """Count every record and index this fingerprint's (call holding the
-        lock); returns how many of ours did not check out (removed)."""
+        lock); ours that do not check out are removed (`invalid`)."""
         found = []
         for e in self._walk():
             if e.name.endswith(RECORDS) and not is_temporary(e.name):
@@ -236,7 +237,7 @@ class DiskDirectory:
                     continue
                 found.append((st.st_mtime, Path(e.path), st.st_size))
         found.sort(key=lambda x: x[0])
-        files, chunks, entries, known, invalid = OrderedDict(), {}, {}, {}, 0
+        files, chunks, entries, known = OrderedDict(), {}, {}, {}
         for _, path, size in found:
             if path.parent.parent.parent == self.home and path.name.endswith(ENTRY):
                 info = self._known.get(path)
@@ -246,7 +247,7 @@ class DiskDirectory:
                     except RecordError as e:
                         log.warning("prompt cache dir: %s not used, removed: %s", path, e)
                         path.unlink(missing_ok=True)
-                        invalid += 1
+                        self.invalid[e.reason.value] += 1
                         continue
                 known[path] = info
                 entries.setdefault(info.chain, {})[path.stem] = info
@@ -256,7 +257,6 @@ class DiskDirectory:
         with self._lock:
             self._files, self._chunks, self._entries, self._known = files, chunks, entries, known
             self.nbytes = sum(files.values())
-        return invalid
 
     def _entry_info(self, path: Path) -> EntryInfo:
         header, _, size = read_header(path, self.fp.digest)

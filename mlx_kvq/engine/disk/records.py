@@ -162,7 +162,9 @@ def write_record(path: Path, record: Encoded, pause: Callable[[], None] | None =
         for i, part in enumerate(parts):
             if pause is not None and i == len(parts) // 2:
                 pause()
-            view = memoryview(part).cast("B")
+            if not part.nbytes:
+                continue
+            view = memoryview(part.reshape(-1)).cast("B")
             while view:
                 n = os.write(fd, view)
                 view = view[n:]

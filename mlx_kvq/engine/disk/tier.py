@@ -356,8 +356,8 @@ class DiskTier:
             stored = self.staging.store_prompt(list(tokens[: found.length]), caches, segment)
         finally:
             self._restoring = False
-        if not stored:
-            release(leaves)
+        if not stored or self.staging.covered(tokens) < found.length:  # refused, or evicted
+            release(leaves)  # at once (the prompt cache's order: answers, prefixes, systems)
             if first:
                 self._skips[Skip.NO_ROOM.value] += 1
             return 0
@@ -460,7 +460,7 @@ class DiskTier:
     def stats(self) -> DiskTierStats:
         files, nbytes, entries, chunks = self.directory.counts()
         w = self.writer.counts()
-        skips = Counter(w.skips) + self._skips
+        skips = Counter(w.skips) + self._skips + self.directory.invalid
         census = self.directory.census
         return DiskTierStats(
             str(self.directory.root), self.directory.max_bytes, nbytes, files, entries, chunks,
