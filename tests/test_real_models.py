@@ -69,6 +69,14 @@ def test_smollm_weights_are_the_files_size_and_it_answers():
     assert "Paris" in generate(model, tok, prompt, max_tokens=12)
 
 
+def test_gemma_base_model_completes_code():
+    model, tok = real_models.loaded("gemma")
+    from mlx_lm import generate
+
+    text = generate(model, tok, "def fibonacci(n):\n", max_tokens=14)
+    assert "if n" in text or "return" in text, text
+
+
 def _perplexity(model, ids: list[int]) -> float:
     x = mx.array(ids)[None]
     logits = model(x[:, :-1]).astype(mx.float32)
