@@ -164,7 +164,7 @@ def test_rotation_lowers_key_error_with_outlier_channels():
 def test_cli_json_is_well_formed(tiny, monkeypatch, capsys):
     model, tokens = tiny
     texts = {"a": (tokens, None), "b": (tokens[::-1], None)}
-    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, texts))
+    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t, dtype="auto": (model, None, texts))
     rc = main(
         ["eval", "--kv-bits", "4", "--kv-rotation", "hadamard", "--context", str(CONTEXT),
          "--chunk", str(CHUNK), "--windows", "2", "--json", "--no-progress"]
@@ -184,7 +184,9 @@ def test_cli_json_is_well_formed(tiny, monkeypatch, capsys):
 
 def test_cli_table_and_bad_setting(tiny, monkeypatch, capsys):
     model, tokens = tiny
-    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, {"a": (tokens, None)}))
+    monkeypatch.setattr(
+        ev, "load_eval_inputs", lambda m, t, dtype="auto": (model, None, {"a": (tokens, None)})
+    )
     assert main(["eval", "--kv-key-bits", "8", "--context", "32", "--chunk", "16", "--windows", "1",
                     "--no-progress"]) == 0  # fmt: skip
     out = capsys.readouterr().out
@@ -217,7 +219,9 @@ def test_cli_defaults_to_the_default_setting_and_zero_turns_it_off(tiny, monkeyp
     from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 
     model, tokens = tiny
-    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, {"a": (tokens, None)}))
+    monkeypatch.setattr(
+        ev, "load_eval_inputs", lambda m, t, dtype="auto": (model, None, {"a": (tokens, None)})
+    )
     common = ["--context", "32", "--chunk", "16", "--windows", "1", "--json", "--no-progress"]
     assert main(["eval", *common]) == 0
     data = json.loads(capsys.readouterr().out)

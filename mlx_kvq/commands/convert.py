@@ -20,8 +20,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..from_gguf import check, convert, is_gguf
 
+    if not Path(args.gguf).is_file():
+        raise FileNotFoundError(f"no GGUF file at {args.gguf}")
     if not is_gguf(args.gguf):
-        raise FileNotFoundError(f"{args.gguf} is not a GGUF file")
+        raise ValueError(f"{args.gguf} is not a GGUF file (no GGUF magic number)")
     out = Path(args.out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not an empty directory")

@@ -1,11 +1,11 @@
 """What the engine shows after every step: the metrics' gauges.
 
 `Reporter.publish` reads what the caches, the block pools, the memory
-accounting, the queue and the prompt cache hold now and writes it into
-`EngineMetrics`, which `/metrics`, `/status` and the page read. Reading
-them walks every cache and block pool (milliseconds, a large share of a
-one-row decode step), so between changes of the batch or the queue they are
-read at most every `PUBLISH_EVERY_S`.
+accounting, the queue, the prompt cache and its disk tier hold now and
+writes it into `EngineMetrics`, which `/metrics`, `/status` and the page
+read. Reading them walks every cache and block pool (milliseconds, a large
+share of a one-row decode step), so between changes of the batch or the
+queue they are read at most every `PUBLISH_EVERY_S`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from mlx_kvq.caches import cache_report
 from mlx_kvq.plan import KV_KINDS
 
+from .disk import DiskTier
 from .inbox import Inbox
 from .memory import KVMemory
 from .metrics import BlockFigures, BudgetFigures, EngineMetrics
@@ -38,6 +39,7 @@ class Reporter:
         prompt_cache: PromptCache,
         inbox: Inbox,
         output: OutputProcessor,
+        disk: DiskTier | None = None,
     ):
         self.metrics = metrics
         self.scheduler = scheduler
@@ -46,6 +48,7 @@ class Reporter:
         self.prompt_cache = prompt_cache
         self.inbox = inbox
         self.output = output
+        self.disk = disk
         self.kv_fraction = (0, 0)  # (quantized KV slots, KV slots) last seen
         self._last: tuple = ()
         self._last_at = float("-inf")
@@ -97,6 +100,8 @@ class Reporter:
             prompt_cache=self.prompt_cache.stats(),
             preempted=sum(s.status is RequestStatus.PREEMPTED for s in list(waiting)),
         )
+        if self.disk is not None:
+            self.metrics.set_disk(self.disk.stats())
 
 
 __all__ = ["Reporter"]

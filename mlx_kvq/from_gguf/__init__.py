@@ -91,9 +91,13 @@ class Conversion:
 
 
 def is_gguf(path: str | os.PathLike | None) -> bool:
-    """Whether `path` names a GGUF file (by its magic number)."""
-    if path is None or not str(path).lower().endswith(".gguf"):
+    """Whether `path` names a GGUF file: by its `.gguf` name (an absent one
+    too, so that it is reported missing rather than taken for a hub id), or by
+    its magic number."""
+    if path is None:
         return False
+    if str(path).lower().endswith(".gguf"):
+        return True
     try:
         with open(path, "rb") as f:
             return f.read(4) == b"GGUF"
@@ -245,6 +249,8 @@ def converted(source: str | os.PathLike, dtype: str | None = None) -> tuple[Path
     dtype = dtype or default_dtype()
     _dtype(dtype)
     path = Path(source).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {source}")
     stat = path.stat()
     key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}:{CONVERTER_VERSION}"
     target = cache_root() / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
