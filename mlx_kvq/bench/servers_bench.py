@@ -463,7 +463,7 @@ def _log_summary(out: dict, names: list[str], log) -> None:
 
 
 # -- goals and markdown -------------------------------------------------------------
-# issue 33's goals, as ratios to mlx_lm.server in one run: (arm, scenario) -> at least
+# the stated serving goals, as ratios to mlx_lm.server in one run: (arm, scenario) -> at least
 GOAL_TPS = {
     ("mlx-kvq default", "streams 1"): 1.0,
     ("mlx-kvq default", "streams 16"): 1.5,

@@ -195,8 +195,9 @@ class Engine:
             return False
         idle = not commands and not self.scheduler.busy and not self.runner.rows
         idle = idle and not self.runner.lane_busy
-        if idle and self._settled:
-            return True  # nothing changed since the last idle step settled and measured
+        if idle and self._settled:  # nothing to schedule or measure since the last idle step
+            self._reporter.publish()  # the disk tier's writer moves on meanwhile
+            return True
         self._settled = idle
         self._executor.run()
         if self.runner.rows:

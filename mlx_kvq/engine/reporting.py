@@ -65,6 +65,8 @@ class Reporter:
             tuple(self.scheduler.running), len(self.scheduler.waiting), self.inbox.waiting,
             tuple(self.runner.rows), self.output.batch_size, self.runner.lane_busy,
         )  # fmt: skip
+        if self.disk is not None:  # its writer thread moves on between steps
+            self.metrics.set_disk(self.disk.stats())
         now = time.monotonic()
         if not force and seen == self._last and now - self._last_at < PUBLISH_EVERY_S:
             return
@@ -100,8 +102,6 @@ class Reporter:
             prompt_cache=self.prompt_cache.stats(),
             preempted=sum(s.status is RequestStatus.PREEMPTED for s in list(waiting)),
         )
-        if self.disk is not None:
-            self.metrics.set_disk(self.disk.stats())
 
 
 __all__ = ["Reporter"]
