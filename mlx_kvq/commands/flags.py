@@ -298,3 +298,10 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
         help="requests whose prompts are rendered and tokenized at once, off the event "
         f"loop; others wait their turn (default: {DEFAULT_PROMPT_WORKERS})",
     )
+
+
+def kv_flag_names() -> tuple[str, ...]:
+    """The attribute names of every KV flag (what `add_kv_flags` defines)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_kv_flags(parser)
+    return tuple(vars(parser.parse_args([])))
