@@ -31,6 +31,13 @@ from .registry import (
     report_leaves,
     unpage_caches,
 )
+from .split import (
+    KVQSplitBatchCache,
+    KVQSplitBatchWindowCache,
+    KVQSplitCache,
+    KVQSplitChunkedCache,
+    KVQSplitWindowCache,
+)
 from .window import KVQBatchWindowCache, KVQWindowCache
 
 # mlx-lm's prompt files must resolve our classes by name: registered whenever
@@ -65,6 +72,11 @@ __all__ = [
     "KVQIndexerCache",
     "KVQLayerCache",
     "KVQWindowCache",
+    "KVQSplitBatchCache",
+    "KVQSplitBatchWindowCache",
+    "KVQSplitCache",
+    "KVQSplitChunkedCache",
+    "KVQSplitWindowCache",
     "cache_report",
     "is_twin",
     "leaves",
@@ -79,7 +91,7 @@ def _entry(c) -> dict:
     kind = lookup(c)
     name = kind.name if kind else type(c).__name__
     nbytes = c.nbytes if not c.empty() else 0
-    if isinstance(c, (KVQCache, PagedCache)):
+    if isinstance(c, (KVQCache, PagedCache, KVQSplitBatchCache)):
         return {"kind": name, "quantized": c.quantized, "nbytes": nbytes, "tokens": int(c.size())}
     tokens = c.size() if hasattr(c, "size") else 0
     return {"kind": name, "quantized": False, "nbytes": nbytes, "tokens": int(tokens)}

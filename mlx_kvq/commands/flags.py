@@ -12,7 +12,7 @@ import argparse
 import json
 import re
 
-from ..config import ROTATIONS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVConfig
+from ..config import KEY_SCALES, ROTATIONS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVConfig
 from ..defaults import resolve_widths
 from ..speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
@@ -55,6 +55,13 @@ def _group_size(text: str) -> int:
     if size not in SUPPORTED_GROUP_SIZES:
         raise argparse.ArgumentTypeError(f"kv group size must be one of {SUPPORTED_GROUP_SIZES}")
     return size
+
+
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return n
 
 
 def _layers(text: str) -> list[int]:
@@ -165,6 +172,36 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
         "flag: the default setting's, 8)",
     )
     g.add_argument(
+        "--kv-key-scales",
+        choices=KEY_SCALES,
+        default=None,
+        help="what gets its own scale and bias in the keys: token (each token's key, in "
+        "groups of channels, as mlx-lm) or channel (each channel, in groups of "
+        "--kv-key-group-size tokens: KIVI, for keys with outlier channels); default: token "
+        "with explicit bits, the default setting's without",
+    )
+    g.add_argument(
+        "--kv-key-group-size",
+        type=_group_size,
+        default=None,
+        help="group size of the keys (tokens per group with --kv-key-scales channel); "
+        "default: --kv-group-size",
+    )
+    g.add_argument(
+        "--kv-residual",
+        type=_count,
+        default=None,
+        help="the last N tokens of every layer stay unquantized (in 16 bits), quantized as "
+        "newer ones arrive; default: 0 with explicit bits, the default setting's without",
+    )
+    g.add_argument(
+        "--kv-sinks",
+        type=_count,
+        default=None,
+        help="the first N tokens of full-attention layers stay unquantized (attention "
+        "sinks); default: 0 with explicit bits, the default setting's without",
+    )
+    g.add_argument(
         "--quantized-kv-start",
         type=int,
         default=0,
@@ -192,15 +229,24 @@ def kv_config(args: argparse.Namespace, bounded: bool = True) -> KVConfig:
     a bounded layer: `startup.kv_setting` asks the model."""
     w = resolve_widths(
         args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation,
-        args.kv_window_bits, bounded,
+        args.kv_window_bits, bounded, args.kv_key_scales, args.kv_key_group_size,
+        args.kv_residual, args.kv_sinks,
     )  # fmt: skip
     return KVConfig.from_args(
         kv_bits=w.bits, kv_group_size=args.kv_group_size, kv_key_bits=w.key_bits,
         kv_value_bits=w.value_bits, kv_rotation=w.rotation,
         quantized_kv_start=args.quantized_kv_start, max_kv_size=args.max_kv_size,
         allow_partial_kv=args.allow_partial_kv, kv_skip_layers=args.kv_skip_layers,
-        kv_window_bits=w.window_bits,
+        kv_window_bits=w.window_bits, kv_key_scales=w.key_scales,
+        kv_key_group_size=w.key_group_size, kv_residual=w.residual, kv_sinks=w.sinks,
     )  # fmt: skip
+
+
+def kv_flag_names() -> tuple[str, ...]:
+    """The attribute names of every KV flag (what `add_kv_flags` defines)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_kv_flags(parser)
+    return tuple(vars(parser.parse_args([])))
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -298,10 +344,3 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
         help="requests whose prompts are rendered and tokenized at once, off the event "
         f"loop; others wait their turn (default: {DEFAULT_PROMPT_WORKERS})",
     )
-
-
-def kv_flag_names() -> tuple[str, ...]:
-    """The attribute names of every KV flag (what `add_kv_flags` defines)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_kv_flags(parser)
-    return tuple(vars(parser.parse_args([])))
