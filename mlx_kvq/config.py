@@ -208,21 +208,19 @@ class KVConfig:
         return self.key_spec.quantized or self.value_spec.quantized
 
     def specs(self, bounded: bool = False) -> tuple[QuantSpec, QuantSpec]:
-        """(key spec, value spec) of one layer: `bounded` layers (a window of
-        tokens: sliding, chunked, `--max-kv-size`) take `window_bits` when
-        set, and keep no sinks of their own (their queries do not see the
-        first tokens; a `--max-kv-size` window keeps mlx-lm's own)."""
+        """(key spec, value spec) of one layer. `bounded` layers (a window of
+        tokens: sliding, chunked, `--max-kv-size`) keep no sinks of their own
+        (their queries do not see the first tokens; a `--max-kv-size` window
+        keeps mlx-lm's own); with `window_bits` set they take that width per
+        token, nothing kept exact (their bytes stop growing with the context)."""
         if not bounded:
             return self.key_spec, self.value_spec
         if self.window_bits is None:
             k, v = self.key_spec, self.value_spec
             return replace(k, sinks=0), replace(v, sinks=0)
         bits = self.window_bits
-        group = self.key_group_size or self.group_size
-        return (
-            self._spec(bits, group, self.key_scales == "channel", 0),
-            self._spec(bits, self.group_size, False, 0),
-        )
+        spec = QuantSpec(bits or None, self.group_size, self.rotation if bits else "none")
+        return spec, spec
 
     def with_(self, **changes) -> KVConfig:
         return replace(self, **changes)

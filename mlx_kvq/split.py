@@ -35,7 +35,8 @@ import mlx.core as mx
 from .config import QuantSpec
 from .quant import QuantizedKV, SplitKV, Store, rotate, scale_dtype
 
-GROW = 256  # tokens of body capacity added at a time (as mlx-lm's caches grow)
+GROW = 128  # tokens of body capacity added at a time: a multiple of every group
+# size, so a body of whole 128-token groups wastes nothing (mlx-lm's caches grow by 256)
 
 
 class _Copyable:

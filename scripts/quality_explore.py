@@ -199,6 +199,21 @@ REAL_SCHEMES: dict[str, tuple[str, dict]] = {
         "real", _s(4, 3, kg=128, kmode="channel", S=4, R=128, x16=True)),
     "K3 ch G128 / V3, 4 sinks, last 128, 16-bit exact": (
         "real", _s(3, 3, kg=128, kmode="channel", S=4, R=128, x16=True)),
+    # Gemma 3 (15 sliding layers of 512, 3 full; head_dim 256): per layer kind
+    "gemma: windows 8-bit, full K4 ch G128 / V4 g128, 4 sinks, last 64, 16-bit exact": (
+        "gemma", {"sliding": _s(8, 8, kg=128, vg=128),
+                  "full": _s(4, 4, kg=128, vg=128, kmode="channel", S=4, R=64, x16=True)}),
+    "gemma: windows 4-bit g128, full K4 ch G128 / V4 g128, 4 sinks, last 64, 16-bit exact": (
+        "gemma", {"sliding": _s(4, 4, kg=128, vg=128),
+                  "full": _s(4, 4, kg=128, vg=128, kmode="channel", S=4, R=64, x16=True)}),
+    "gemma: windows K4 ch G32 / V4 g128, 16-bit exact, full K4 ch G128 / V4 g128, 4 sinks, last 64": (
+        "gemma", {"sliding": _s(4, 4, kg=32, vg=128, kmode="channel", x16=True),
+                  "full": _s(4, 4, kg=128, vg=128, kmode="channel", S=4, R=64, x16=True)}),
+    "gemma: windows 8-bit, full 4-bit g128 + rot": (
+        "gemma", {"sliding": _s(8, 8, kg=128, vg=128),
+                  "full": _s(4, 4, kg=128, vg=128, krot=True, vrot=True)}),
+    "gemma: windows 4-bit g128 + rot, full exact": (
+        "gemma", {"sliding": _s(4, 4, kg=128, vg=128, krot=True, vrot=True), "full": FP}),
 }  # fmt: skip
 
 

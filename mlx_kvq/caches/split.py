@@ -28,14 +28,14 @@ from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache, create
 from ..config import QuantSpec
 from ..mlx_lm_internals import BaseCache
 from ..quant import SplitRows
-from ..split import SplitStore
+from ..split import GROW, SplitStore
 from .base import DEQUANTIZED, DTYPES, PACKED, KVQCache
 
 
 class SplitCache(KVQCache):
     """What the split caches share: the store, hand-out, bytes and prompt files."""
 
-    grow: int | None = 256  # body capacity step (None: exactly what it holds)
+    grow: int | None = GROW  # body capacity step (None: exactly what it holds)
     sinks_of_kind = True  # full attention keeps the spec's sinks
 
     def _init_split(self, key_spec: QuantSpec, value_spec: QuantSpec, start: int,

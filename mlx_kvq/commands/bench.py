@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from .flags import parse_size
+from .flags import add_setting_flag, kv_config, parse_size, setting_namespaces
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -109,6 +109,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--budget-tokens", type=int, default=None, help="generated tokens per request there (128)"
     )
+    add_setting_flag(
+        p,
+        "each measured in the model section beside --bits (decode and prefill against "
+        "unquantized); without bits flags, the default setting of the benchmark model's layout",
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=None)  # fmt: skip
     p.set_defaults(run=run)
@@ -141,6 +146,12 @@ def settings_from_args(args: argparse.Namespace):
             else json.loads(Path(text).read_text())
         )
         s = replace(s, model_config=cfg)
+    if args.setting:
+        from ..plan import has_bounded_layers
+
+        bounded = has_bounded_layers(s.resolved_model_config())
+        spaces = setting_namespaces(args.setting, argparse.Namespace())
+        s = replace(s, kv_settings=tuple(kv_config(ns, bounded) for ns in spaces))
     unknown = set(s.sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown bench sections {sorted(unknown)}; choose from {SECTIONS}")

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import time
 from pathlib import Path
 
-from .flags import add_kv_flags, add_model_flag, kv_config, kv_flag_names
+from .flags import add_kv_flags, add_model_flag, add_setting_flag, kv_config, setting_namespaces
 from .startup import kv_setting, model_source
 
 
@@ -31,14 +30,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "its in-domain text, then its out-of-domain one: the held-out KJV and modern English)",
     )
     add_kv_flags(p)
-    p.add_argument(
-        "--setting",
-        action="append",
-        default=None,
-        metavar="FLAGS",
-        help="a KV setting to evaluate, as KV flags in one argument (e.g. '--kv-bits 4 "
-        "--kv-rotation hadamard'); repeat for several, all scored against one unquantized "
-        "run; the KV flags outside --setting apply to every setting that does not set them",
+    add_setting_flag(
+        p,
+        "all scored against one unquantized run; the KV flags outside --setting apply to "
+        "every setting that does not set them",
     )
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per window")
     p.add_argument(
@@ -71,21 +66,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)  # fmt: skip
 
 
-def setting_namespaces(args: argparse.Namespace) -> list[argparse.Namespace]:
-    """One namespace of KV flags per setting: each `--setting` parsed over the
-    KV flags given outside it (or those flags alone when none is given).
-    A bad flag exits with status 2, naming the setting."""
-    base = {name: getattr(args, name) for name in kv_flag_names()}
-    if not args.setting:
-        return [argparse.Namespace(**base)]
-    out = []
-    for text in args.setting:
-        parser = argparse.ArgumentParser(prog=f"mlx-kvq eval --setting {text!r}", add_help=False)
-        add_kv_flags(parser)
-        out.append(parser.parse_args(shlex.split(text), namespace=argparse.Namespace(**base)))
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     """Print a table (or JSON) per KV setting, one row per text, and the time each took.
 
@@ -96,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from ..evaluate import evaluate_many, format_text_table, load_eval_inputs
 
     started = time.perf_counter()
-    spaces = setting_namespaces(args)
+    spaces = setting_namespaces(args.setting, args)
     for ns in spaces:  # refuse a bad setting before the model loads
         kv_config(ns)
     model, _, texts = load_eval_inputs(args.model, args.text)

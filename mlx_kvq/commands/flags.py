@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 
 from ..config import KEY_SCALES, ROTATIONS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVConfig
 from ..defaults import resolve_widths
@@ -247,6 +248,36 @@ def kv_flag_names() -> tuple[str, ...]:
     parser = argparse.ArgumentParser(add_help=False)
     add_kv_flags(parser)
     return tuple(vars(parser.parse_args([])))
+
+
+def add_setting_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--setting FLAGS`, repeated: several KV settings in one run."""
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=None,
+        metavar="FLAGS",
+        help="a KV setting, as KV flags in one argument (e.g. '--kv-bits 4 --kv-rotation "
+        f"hadamard'); repeat for several, {what}",
+    )
+
+
+def setting_namespaces(texts: list[str] | None, base: argparse.Namespace) -> list:
+    """One namespace of KV flags per `--setting` text, parsed over the KV flags
+    of `base` (the command's own; a setting sets what it names); `base`'s
+    alone when there is none. A bad flag exits with status 2, naming the setting."""
+    values = {name: getattr(base, name, None) for name in kv_flag_names()}
+    if not texts:
+        return [argparse.Namespace(**values)]
+    out = []
+    for text in texts:
+        parser = argparse.ArgumentParser(prog=f"--setting {text!r}", add_help=False)
+        add_kv_flags(parser)
+        defaults = vars(parser.parse_args([]))
+        merged = {k: (defaults[k] if v is None and defaults[k] is not None else v)
+                  for k, v in values.items()}  # fmt: skip
+        out.append(parser.parse_args(shlex.split(text), namespace=argparse.Namespace(**merged)))
+    return out
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
