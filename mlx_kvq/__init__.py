@@ -7,9 +7,11 @@ the program calls `use_fast_blas()` (OpenBLAS on Linux, `mlx_kvq.blas`; every
 `mlx-kvq` command does; `blas_info()` says which library is in use).
 Importing anything from mlx-lm loads its
 package `__init__` (transformers, seconds of start-up), so the generation
-entry points and the planner are resolved on first use. Importing the caches
-(which every entry point does) installs the attention redirect and makes our
-cache classes loadable from mlx-lm prompt-cache files.
+entry points and the planner are resolved on first use. No module of the
+package changes mlx-lm when imported: planning (`plan_kv`, which every entry
+point does) redirects mlx-lm's attention to ours, and making the first cache
+(or loading a prompt file) makes our cache classes loadable from mlx-lm
+prompt-cache files.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """Attention over quantized K/V, and the single redirect of mlx-lm's attention.
 
+Importing this module changes nothing in mlx-lm: `install()` redirects its
+attention, and the planner calls it (`plan.plan_kv`, and loading a prompt
+file), since only a plan's caches hand attention what mlx-lm's cannot read.
+
 `scaled_dot_product_attention` has mlx-lm's signature and dispatches on what
 the keys and values *are*, not on the cache object: packed `QuantizedKV`
 goes to `quantized_attention`, arrays go to `mx.fast`. That is what makes
@@ -587,8 +591,3 @@ def uses_our_attention(module_name: str) -> bool:
     install()
     fn = getattr(module, "scaled_dot_product_attention", None)
     return fn is scaled_dot_product_attention
-
-
-# Importing this module redirects mlx-lm's attention: whoever can build a
-# quantized cache (the planner, the public API) imports it first.
-install()

@@ -401,7 +401,9 @@ def format_text_table(results: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def load_eval_inputs(model_path: str | None, text_paths: Sequence[Path] | None):
+def load_eval_inputs(
+    model_path: str | None, text_paths: Sequence[Path] | None, dtype: str = "auto"
+):
     """(model, tokenizer, {text name: (token ids, bos id or None)}) for an eval run.
 
     Without a model the gemma demo model; a demo model (`demo:NAME`) brings
@@ -419,7 +421,13 @@ def load_eval_inputs(model_path: str | None, text_paths: Sequence[Path] | None):
         texts = demo.demo_texts(name)
     else:
         raise ValueError("--text is required with --model (no evaluation text is known for it)")
-    model, tokenizer = load(demo.resolve_model(model_path)[0])
+    from .compute import prepare
+    from .from_gguf import as_directory
+
+    model, tokenizer = load(as_directory(demo.resolve_model(model_path)[0])[0])
+    line = prepare(model, dtype).line()
+    if line is not None:
+        print(f"mlx-kvq: {line}", file=sys.stderr)
     out = {}
     for name, path in texts.items():
         text = Path(path).read_text()

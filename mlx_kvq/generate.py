@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 
+from . import attention
 from .config import KVConfig, UnsupportedKVConfig
 from .plan import KV_KINDS, KVPlan, plan_kv, twin_slot
 from .speculative import (
@@ -231,7 +232,7 @@ def load_prompt_cache(
     were stored with other settings is refused, checked on every layer
     (mlx-lm only looks at layer 0, a sliding layer on Gemma).
     """
-    from .caches import PROMPT_FILE_CLASSES
+    from .caches import PROMPT_FILE_CLASSES, register_for_prompt_files
 
     if not Path(file_name).exists():
         raise FileNotFoundError(f"prompt cache file {file_name} does not exist")
@@ -252,6 +253,8 @@ def load_prompt_cache(
             f"prompt cache file {file_name} holds cache classes {unknown} that are not "
             "known to mlx-lm or mlx-kvq (written by another library or version?)"
         )
+    register_for_prompt_files()  # mlx-lm's reader finds our classes by name
+    attention.install()  # the caches it returns hand attention what only ours reads
     try:
         cache, metadata = mlx_cache.load_prompt_cache(str(file_name), return_metadata=True)
     except Exception as e:  # noqa: BLE001 - a malformed state is the file's fault

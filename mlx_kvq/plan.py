@@ -29,48 +29,23 @@ from . import attention
 from .caches import (
     DEQUANTIZED,
     PACKED,
+    KVQDeepseekV41Cache,
     KVQIndexerCache,
-    KVQLayerCache,
     KVQSplitWindowCache,
     KVQWindowCache,
     is_twin,
     lookup,
     quantize_cache,
 )
-from .caches.layer import FIELDS
+from .caches.deepseek_v41 import FIELDS
 from .config import KVConfig, QuantSpec, UnsupportedKVConfig
 from .mlx_lm_internals import model_classes
-
-# Model code that cannot take packed K/V: it calls array methods on the
-# cached tensors (latent attention, sparse indexers) or bypasses mlx-lm's
-# attention function. Those layers keep quantized storage and are handed
-# dequantized arrays. Found by the architecture sweep; the probe below also
-# catches any model not listed here.
-DEQUANTIZED_MODELS = frozenset(
-    {
-        "bailing_hybrid", "bailing_moe_v3", "deepseek_v3", "deepseek_v32", "deepseek_v41", "gemma2",
-        "glm4_moe_lite", "glm_moe_dsa", "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl",
-        "longcat_flash", "mistral4", "phi", "phi3small", "phixtral", "plamo", "plamo2",
-        "stablelm",
-    }
-)  # fmt: skip
-
-# Sparse-attention models whose every `CacheList` slot holds, at this member,
-# the indexer's keys next to the attention cache (read from the model code:
-# the indexer scores them with array code and touches the cache's `.keys` /
-# `.values` directly). Those members get `KVQIndexerCache`: keys only,
-# quantized, handed out dequantized.
-INDEXER_MEMBERS = {"deepseek_v32": 1, "glm_moe_dsa": 1, "minimax_m3_vl": 1}
-
-# Model code that cannot work with any cache object other than mlx-lm's own:
-# refused at plan time with the reason (found by the architecture sweep).
-# Every architecture mlx-lm 0.32.2 ships is served now; kept for new ones.
-REFUSED_MODELS: dict[str, str] = {}
+from .model_facts import facts
 
 KV_KINDS = ("full", "sliding", "chunked", "indexer", "compressed")
 
 # deepseek_v41's LayerCache: its KV fields in member order, then the open
-# compression group (working state); see caches/layer.py.
+# compression group (working state); see caches/deepseek_v41.py.
 LAYER_FIELDS = (*FIELDS, "pending")
 
 
@@ -379,7 +354,7 @@ def _flatten(caches: list, model=None) -> list[tuple[int, int | None, object]]:
         kind = lookup(c)
         if type(c) is mlx_cache.CacheList:
             out.extend((slot, m, member) for m, member in enumerate(c.caches))
-        elif type(c) is KVQLayerCache:
+        elif type(c) is KVQDeepseekV41Cache:
             out.extend((slot, _member(leaf), leaf) for leaf in c.report_members)
         elif kind is not None and kind.name == "layer":
             fields = layer_cache_fields(model, slot)
@@ -395,7 +370,7 @@ def _flatten(caches: list, model=None) -> list[tuple[int, int | None, object]]:
 
 
 def _member(leaf) -> int:
-    """A `KVQLayerCache` leaf's member number (its field's place in LAYER_FIELDS)."""
+    """A `KVQDeepseekV41Cache` leaf's member number (its field's place in LAYER_FIELDS)."""
     return LAYER_FIELDS.index(leaf.field)
 
 
@@ -449,7 +424,7 @@ def twin_slot(plan: KVPlan, slot: int, cache, start: int | None = None):
         if not members:
             return cache
         fields = {LAYER_FIELDS[p.member]: (p.ratio, p.key_spec, p.value_spec) for p in members}
-        return KVQLayerCache.from_cache(cache, fields, start)
+        return KVQDeepseekV41Cache.from_cache(cache, fields, start)
     if type(cache) is mlx_cache.CacheList:
         return mlx_cache.CacheList(
             *(_twin(plan, plan.layer(slot, m), c, start) for m, c in enumerate(cache.caches))
@@ -487,9 +462,7 @@ def model_from_config(config: dict | str | Path) -> nn.Module:
         path = path / "config.json" if path.is_dir() else path
         config = json.loads(path.read_text())
     model_class, args_class = model_classes(config)
-    model = model_class(args_class.from_dict(config))
-    attention.install()  # modules imported just now bind mlx-lm's attention: redirect them
-    return model
+    return model_class(args_class.from_dict(config))
 
 
 def _probe(model, caches: list, prefill: int = 2) -> tuple[object, list]:
@@ -530,12 +503,12 @@ def plan_kv(
         if isinstance(model_or_config, nn.Module)
         else model_from_config(model_or_config)
     )
-    attention.install()
+    attention.install()  # what its caches hand attention, only ours reads
     model_type = model_type_of(model)
-    if cfg.enabled and model_type in REFUSED_MODELS:
+    refused = facts(model_type).refused
+    if cfg.enabled and refused:
         raise UnsupportedKVConfig(
-            f"{model_type}: KV quantization is not supported: {REFUSED_MODELS[model_type]}. "
-            "Run without --kv-bits"
+            f"{model_type}: KV quantization is not supported: {refused}. Run without --kv-bits"
         )
     proto = _prototype(model, cfg.max_kv_size)
     flat = _flatten(proto, model)
@@ -548,7 +521,7 @@ def plan_kv(
 
     layers: list[LayerPlan] = []
     notes: list[str] = []
-    indexer = INDEXER_MEMBERS.get(model_type)
+    indexer = facts(model_type).indexer_member
     for slot, member, c in flat:
         field = c.field if type(c) is _LayerLeaf else None
         kind = lookup(c.cache if field else c)
@@ -568,7 +541,7 @@ def plan_kv(
                 raise UnsupportedKVConfig(
                     f"{where}: {model_type} is declared to keep its indexer keys in a KVCache "
                     f"here, but the model made a {type(c).__name__}; the declaration "
-                    "(INDEXER_MEMBERS in mlx_kvq/plan.py) does not match this mlx-lm version"
+                    "(`indexer_member` in mlx_kvq/model_facts.py) does not match this mlx-lm version"
                 )
             name = "indexer"
         if name == "full" and cfg.max_kv_size is not None:
@@ -725,7 +698,7 @@ def _check_hand_out(model, plan: KVPlan) -> None:
     """Run the planned caches through the model lazily and make sure every
     quantized slot reaches quantized attention; fall back to dequantized
     hand-out for model code that needs arrays, and say so."""
-    declared = plan.model_type in DEQUANTIZED_MODELS
+    declared = facts(plan.model_type).needs_arrays
     modes = [DEQUANTIZED] if declared else [PACKED, DEQUANTIZED]
     errors = []
     for mode in modes:

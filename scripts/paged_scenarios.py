@@ -13,20 +13,29 @@ engine reserves nothing for `max_tokens`):
   tokens, under 1.5x what one session and the fifteen others' own tokens
   hold. The first session runs alone first, as the one that put the system
   prompt in the prompt cache.
+- simultaneous: the same sixteen sessions under the same budget, all sent at
+  once (parallel subagents, agents reconnecting after a restart): the others
+  wait for the system prompt the first one is prefilling, then map it.
 
 Reported: sessions decoding at once (the most), the budget, the most bytes
-held, overruns. Run niced, one layout at a time:
+held, overruns, prompt tokens computed against one prefix plus every
+session's own tokens, and a digest of the sixteen answers (the same in
+`shared` and `simultaneous` when the text does not change). Run niced, one
+layout at a time:
 
     nice -n 10 python scripts/paged_scenarios.py mixed --layout paged
     nice -n 10 python scripts/paged_scenarios.py mixed --layout padded
     nice -n 10 python scripts/paged_scenarios.py shared --layout paged
+    nice -n 10 python scripts/paged_scenarios.py simultaneous --layout paged
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
+import threading
 import time
 
 import mlx.core as mx
@@ -35,7 +44,7 @@ from mlx_kvq.bench.model_bench import build_model
 from mlx_kvq.bench.serving_bench import BenchTokenizer, Completions
 from mlx_kvq.blas import use_fast_blas
 from mlx_kvq.defaults import DEFAULT_KV_CONFIG
-from mlx_kvq.engine import Engine, EngineOptions, GenerationRequest, SamplingParams
+from mlx_kvq.engine import Engine, EngineOptions, GenerationRequest, SamplingParams, TokenEvent
 from mlx_kvq.engine.requests import Checkpoint, Segment
 from mlx_kvq.plan import plan_kv
 
@@ -59,11 +68,12 @@ def held(plan, tokens: int, own: int | None = None) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("scenario", choices=["mixed", "shared"])
+    ap.add_argument("scenario", choices=["mixed", "shared", "simultaneous"])
     ap.add_argument("--layout", choices=["paged", "padded"], default="paged")
     ap.add_argument("--answer", type=int, default=300, help="tokens each session generates")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--log", action="store_true", help="the engine's log on stderr")
+    ap.add_argument("--answers", help="write the sixteen answers' tokens to this JSON file")
     args = ap.parse_args()
     use_fast_blas()  # as the server runs
     if args.log:
@@ -91,7 +101,10 @@ def main() -> None:
         really = held(plan, 8_000 + own + a) + 15 * held(plan, 8_000 + own + a, own + a)
         budget = int(1.5 * really)
         checkpoints = (Checkpoint(8_000, Segment.SYSTEM),)
-        first, rest = prompts[:1], prompts[1:]
+        first, rest = (
+            ([], prompts) if args.scenario == "simultaneous" else (prompts[:1], prompts[1:])
+        )
+        own_tokens = 16 * own
 
     options = EngineOptions(
         decode_concurrency=16, prompt_cache_size=64, kv_cache_memory=budget,
@@ -103,6 +116,18 @@ def main() -> None:
     engine.readiness.ready_event.wait(3600)
     assert engine.readiness.ready, engine.readiness.get()
     params = SamplingParams(max_tokens=a, temperature=0.0)
+    answers: dict[int, list[int]] = {}
+    lock = threading.Lock()
+
+    def collect(i: int, ends: Completions):
+        def sink(event) -> None:
+            if isinstance(event, TokenEvent):
+                with lock:
+                    answers.setdefault(i, []).append(event.token)
+            ends.end(event)
+
+        return sink
+
     t0 = time.perf_counter()
     try:
         if first:  # the session that puts the system prompt in the prompt cache
@@ -110,21 +135,38 @@ def main() -> None:
             engine.submit(GenerationRequest(first[0], params, checkpoints=checkpoints), ends.end)
             ends.wait("first session")
         engine.metrics.max_batch_size = 0
+        computed = engine.metrics.snapshot().prompt_tokens
         ends = Completions(len(rest) + len(first))
-        for p in first + rest:
-            engine.submit(GenerationRequest(p, params, checkpoints=checkpoints), ends.end)
+        for i, p in enumerate(first + rest):
+            request = GenerationRequest(p, params, checkpoints=checkpoints)
+            engine.submit(request, collect(i, ends))
         ends.wait("sessions")
     finally:
         engine.stop()
     ledger = engine.budget
     s = engine.metrics.snapshot()
+    extra = {}
+    if args.answers:
+        with open(args.answers, "w") as f:
+            json.dump([answers.get(i) for i in range(len(first) + len(rest))], f)
+    if args.scenario != "mixed":
+        # prompt tokens computed for the sixteen (the last one's last token included),
+        # against one prefix and every session's own tokens
+        done = s.prompt_tokens - computed
+        extra = {
+            "prompt_tokens_computed": done,
+            "over_one_prefix_and_own": round(done / (8_000 + own_tokens), 3),
+            "answers_digest": hashlib.sha256(
+                json.dumps([answers.get(i) for i in range(16)]).encode()
+            ).hexdigest()[:16],
+        }
     print(json.dumps({
         "scenario": args.scenario, "layout": engine.layout.description,
         "sessions": len(first) + len(rest), "at_once": s.max_batch_size,
         "really_held": really, "budget": budget, "budget_over_really": round(budget / really, 3),
         "peak_held": ledger.peak_held, "overruns": ledger.overruns,
         "bound_misses": ledger.bound_misses, "preemptions": s.preemptions,
-        "prefix_blocks_reused": s.prefix_blocks_reused,
+        "prefix_blocks_reused": s.prefix_blocks_reused, **extra,
         "seconds": round(time.perf_counter() - t0, 1),
     }, indent=1))  # fmt: skip
 

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
+from typing import Annotated
 
 import pytest
+from pydantic import Field
 
-from mlx_kvq.server import anthropic as A
-from mlx_kvq.server import anthropic_schemas as AS
-from mlx_kvq.server import responses as R
-from mlx_kvq.server import responses_schemas as RS
-from mlx_kvq.server.chat_job import Sampling
+from mlx_kvq.sampling_params import SamplingError, SamplingParams
+from mlx_kvq.server.anthropic import schemas as AS
+from mlx_kvq.server.anthropic import translate as A
+from mlx_kvq.server.chat.job import Refusal
 from mlx_kvq.server.errors import APIError, anthropic_error_body
+from mlx_kvq.server.fields import FIELDS
 from mlx_kvq.server.request_body import check_model_name
-from mlx_kvq.server.response_store import AgentCounters, ResponseStore
+from mlx_kvq.server.responses import schemas as RS
+from mlx_kvq.server.responses import translate as R
+from mlx_kvq.server.responses.store import AgentCounters, ResponseStore
 from mlx_kvq.server.settings import ServerSettings
 
 
@@ -61,9 +65,12 @@ def test_anthropic_tools_and_tool_choice():
     assert A.template_tools(tools) == [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
                                           "description": "d"}}]  # fmt: skip
-    assert A.tools_parsed(None) and not A.tools_parsed(AS.ToolChoice(type="none"))
-    with pytest.raises(A.Refusal) as e:
-        A.tools_parsed(AS.ToolChoice(type="any"))
+    assert A.tool_policy(None).parse and not A.tool_policy(AS.ToolChoice(type="none")).render
+    assert A.tool_policy(AS.ToolChoice(type="any")).required  # enforced by --tool-format json
+    named = A.tool_policy(AS.ToolChoice(type="tool", name="f"))
+    assert (named.required, named.name) == (True, "f")
+    with pytest.raises(Refusal) as e:
+        A.tool_policy(AS.ToolChoice(type="auto", disable_parallel_tool_use=True))
     assert e.value.param == "tool_choice"
 
 
@@ -75,7 +82,7 @@ def test_anthropic_errors_shape_and_overloaded():
 
 
 def test_responses_items_become_template_messages_and_reasoning_comes_back():
-    opaque = R.opaque("I should call the tool.")
+    opaque = RS.opaque("I should call the tool.")
     body = RS.ResponsesRequest.model_validate({
         "model": "gpt-5", "instructions": "Be brief.",
         "input": [
@@ -128,8 +135,8 @@ def test_response_store_is_capped_in_bytes_oldest_out_first():
 
 
 def test_field_lists_match_the_request_models():
-    assert set(AS.MessagesRequest.model_fields) == set(AS.MESSAGES_FIELDS)
-    assert set(RS.ResponsesRequest.model_fields) == set(RS.RESPONSES_FIELDS)
+    assert set(AS.MessagesRequest.model_fields) == set(FIELDS["messages"])
+    assert set(RS.ResponsesRequest.model_fields) == set(FIELDS["responses"])
     with pytest.raises(ValueError, match="frobnicate"):
         AS.MessagesRequest.model_validate({"model": "m", "max_tokens": 1, "frobnicate": 1,
                                            "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
@@ -147,22 +154,28 @@ def test_model_names_checked_only_with_served_model_name():
 
 
 def test_sampling_defaults_come_from_the_server_and_logit_bias_is_checked_once():
-    settings = ServerSettings(model_id="m", max_tokens=77, temperature=0.5)
-    params = Sampling(top_p=0.9).params(settings, vocab_size=10)
+    defaults = SamplingParams(max_tokens=77, temperature=0.5)
+    body = RS.ResponsesRequest.model_validate({"model": "m", "input": "hi", "top_p": 0.9})
+    params = body.to_sampling_params(defaults)
     assert (params.max_tokens, params.temperature, params.top_p) == (77, 0.5, 0.9)
     assert params.repetition_context_size == 20  # SamplingParams' own default
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        Sampling(logit_bias=((10, 1.0),)).params(settings, vocab_size=10)
+    user = [{"role": "user", "content": "hi"}]
+    bias = messages_body(messages=user).to_sampling_params(defaults)
+    bias = bias.updated(logit_bias=((10, 1.0),))
+    bias.check_vocabulary(11)
+    with pytest.raises(SamplingError, match="outside the vocabulary") as e:
+        bias.check_vocabulary(10)
+    assert e.value.field == "logit_bias"
 
 
 def test_opaque_reasoning_round_trip():
-    value = R.opaque("think ✓")
+    value = RS.opaque("think ✓")
     item = RS.ReasoningItem.model_validate({"type": "reasoning", "encrypted_content": value})
-    assert R.reasoning_of(item) == "think ✓"
+    assert RS.reasoning_of(item) == "think ✓"
     other = RS.ReasoningItem.model_validate({"type": "reasoning", "encrypted_content": "gAAA",
                                              "summary": [{"type": "summary_text",
                                                           "text": "sum"}]})  # fmt: skip
-    assert R.reasoning_of(other) == "sum"
+    assert RS.reasoning_of(other) == "sum"
     assert json.loads(json.dumps(value)) == value
 
 
@@ -174,8 +187,8 @@ def test_docs_list_every_field_with_its_treatment():
     text = (Path(__file__).resolve().parents[1] / "docs" / "agents.md").read_text()
     words = {Treatment.HONOURED: "honoured", Treatment.APPROXIMATE: "approximately",
              Treatment.REFUSED: "400", Treatment.IGNORED: "no effect"}  # fmt: skip
-    for heading, fields in (("`POST /v1/messages` fields", AS.MESSAGES_FIELDS),
-                            ("`POST /v1/responses` fields", RS.RESPONSES_FIELDS)):  # fmt: skip
+    for heading, fields in (("`POST /v1/messages` fields", FIELDS["messages"]),
+                            ("`POST /v1/responses` fields", FIELDS["responses"])):  # fmt: skip
         section = text[text.index(heading) :].split("\n### ")[0]
         rows = {line.split("|")[1].strip().strip("`"): line.split("|")[2].strip()
                 for line in section.splitlines() if line.startswith("| `")}  # fmt: skip
@@ -183,7 +196,7 @@ def test_docs_list_every_field_with_its_treatment():
 
 
 def test_mid_conversation_system_turns_folded_for_templates_that_refuse_them():
-    from mlx_kvq.server.chat_job import fold_system, renders_mid_system
+    from mlx_kvq.server.chat.system_turns import fold_system, renders_mid_system
 
     class Refusing:
         def apply_chat_template(self, messages, **kw):
@@ -213,5 +226,50 @@ def test_mid_conversation_system_turns_folded_for_templates_that_refuse_them():
 def test_anthropic_prefill_is_refused():
     body = messages_body(messages=[{"role": "user", "content": "Hi"},
                                    {"role": "assistant", "content": "The answer is"}])  # fmt: skip
-    with pytest.raises(A.Refusal, match="prefill"):
+    with pytest.raises(Refusal, match="prefill"):
         A.to_job(body, SimpleNamespace(reads=lambda name: False))
+
+
+def test_a_sampling_field_declared_in_a_schema_reaches_the_sampler():
+    """Anthropic's Messages API has no `min_p`: declaring it in the schema is
+    all an API needs to take a `SamplingParams` field (no translator edit),
+    and the value reaches the engine's sampler."""
+    import mlx.core as mx
+
+    from mlx_kvq.engine.sampling import SamplerPool
+
+    class WithMinP(AS.MessagesRequest):
+        min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+
+    user = [{"role": "user", "content": "hi"}]
+    service = SimpleNamespace(settings=ServerSettings(model_id="m"), reads=lambda _: False)
+    body = WithMinP.model_validate(
+        {"model": "m", "max_tokens": 8, "messages": user, "temperature": 1.0, "min_p": 0.5}
+    )
+    params = A.to_job(body, service).sampling
+    assert (params.min_p, params.temperature, params.max_tokens) == (0.5, 1.0, 8)
+    # token 1 has a third of token 0's probability: min_p 0.5 never draws it
+    logprobs = mx.log(mx.array([[0.6, 0.2, 0.2]]))
+    pool = SamplerPool()
+    draws = {pool.get(params.updated(seed=s))(logprobs).item() for s in range(40)}
+    without = {pool.get(params.updated(seed=s, min_p=0.0))(logprobs).item() for s in range(40)}
+    assert draws == {0} and without == {0, 1, 2}
+
+
+def test_a_system_turns_output_config_is_the_requests_own():
+    """Claude Code 2.1 sends `output_config` inside a system-role turn of `messages`."""
+    turn = {"role": "system", "content": "Be brief.", "output_config": {"effort": "medium"}}
+    user = {"role": "user", "content": "Hi"}
+    service = SimpleNamespace(reads=lambda name: name == "reasoning_effort")
+    body = messages_body(messages=[user, turn, user])
+    assert A.template_args(body, service) == {"reasoning_effort": "medium"}
+    assert A.template_messages(body)[1] == {"role": "system", "content": "Be brief."}
+    top = messages_body(messages=[user, turn, user], output_config={"effort": "low"})
+    assert A.template_args(top, service) == {"reasoning_effort": "low"}  # the request's own first
+    assert A.template_args(body, SimpleNamespace(reads=lambda name: False)) == {}
+    formatted = {**turn, "output_config": {"format": {"type": "json_schema"}}}
+    with pytest.raises(Refusal) as e:
+        A.template_args(messages_body(messages=[user, formatted, user]), service)
+    assert e.value.param == "output_config"
+    with pytest.raises(ValueError, match="system turns only"):
+        messages_body(messages=[{**user, "output_config": {"effort": "low"}}])

@@ -430,7 +430,7 @@ def test_prompt_cache_reuse_and_insertions_stay_within_the_budget(full_only, mon
     engine = _engine(model, tokenizer, DEFAULT_KV_CONFIG, budget, prefill_step_size=64)
     try:
         long = [1 + (i * 7) % 300 for i in range(600)]
-        other = [2 + (i * 11) % 293 for i in range(550)]
+        other = [2 + (i * 11) % 293 for i in range(800)]  # with the long turn: over budget
         sinks = _flood(engine, [(long, 2)])
         sinks += _flood(engine, [(long[:120] + [5], 2)])
         sinks += _flood(engine, [(other, 2)])

@@ -63,7 +63,7 @@ def test_every_reachable_cache_leaf_has_mlx_lms_protocol():
         for c in (leaf for slot in cache for leaf in walk(slot)):
             kinds.add(type(c).__name__)
             problems += [f"{name}: {p}" for p in protocol_problems(c)]
-    assert {"KVQLayerCache", "KVQCompressedRows", "KVQFullCache", "KVQWindowCache"} <= kinds
+    assert {"KVQDeepseekV41Cache", "KVQCompressedRows", "KVQFullCache", "KVQWindowCache"} <= kinds
     assert not problems, "\n".join(sorted(set(problems)))
 
 

@@ -15,10 +15,11 @@ from kvq_testing.scripted import save_scripted_model
 from mlx_lm.utils import load_tokenizer
 
 from mlx_kvq.engine.prompts import chat_tokens, template_variables
-from mlx_kvq.server.chat_output import OutputSplitter
-from mlx_kvq.server.openai_chat import template_fields
-from mlx_kvq.server.schemas import ChatCompletionRequest, TokenText
-from mlx_kvq.server.tools import ToolChoiceError, tool_policy, tools_refusal
+from mlx_kvq.server.chat.output import OutputSplitter
+from mlx_kvq.server.chat.tools import ToolChoiceError, tool_policy, tools_refusal
+from mlx_kvq.server.openai.bodies import TokenText
+from mlx_kvq.server.openai.schemas import ChatCompletionRequest
+from mlx_kvq.server.openai.translate import template_fields
 
 TOOL_TEXT = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
 CALL = "<tool_call>" + TOOL_TEXT + "</tool_call>"
@@ -191,18 +192,24 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("choice", "render", "parse"),
-    [(None, True, True), ("auto", True, True), ("none", False, False)],
+    ("choice", "render", "parse", "required", "name"),
+    [
+        (None, True, True, False, None),
+        ("auto", True, True, False, None),
+        ("none", False, False, False, None),
+        ("required", True, True, True, None),  # enforced with --tool-format json, else 400
+        ({"type": "function", "function": {"name": "f"}}, True, True, True, "f"),
+    ],
 )
-def test_tool_choice_policies(choice, render, parse):
+def test_tool_choice_policies(choice, render, parse, required, name):
     policy = tool_policy(choice)
-    assert (policy.render, policy.parse) == (render, parse)
+    assert (policy.render, policy.parse, policy.required, policy.name) == (
+        render, parse, required, name,
+    )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "choice", ["required", {"type": "function", "function": {"name": "f"}}, "sometimes"]
-)
-def test_tool_choices_that_cannot_be_enforced_are_refused(choice):
+@pytest.mark.parametrize("choice", ["sometimes", {"type": "function"}, {"function": {"name": 1}}])
+def test_tool_choices_that_mean_nothing_are_refused(choice):
     with pytest.raises(ToolChoiceError):
         tool_policy(choice)
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mlx_kvq.commands import main
+from mlx_kvq.commands import build_parser, main
 
 
 def _gemma4_config(tmp_path):
@@ -191,7 +191,7 @@ def test_every_command_runs_on_the_fast_blas():
         "    c.run = lambda args: seen.__setitem__(args.command, blas.blas_info().fast)\n"
         "for c in commands.COMMANDS:\n"
         "    name = c.__name__.rsplit('.', 1)[1].replace('_', '-')\n"
-        "    extra = ['-p', 'x', '--prompt-cache-file', 'f'] if name == 'cache-prompt' else []\n"
+        "    extra = {'cache-prompt': ['-p', 'x', '--prompt-cache-file', 'f'], 'convert': ['m.gguf', 'out']}.get(name, [])\n"
         "    assert commands.main([name, *extra]) == 0\n"
         "print(json.dumps(seen))\n"
     )
@@ -200,8 +200,32 @@ def test_every_command_runs_on_the_fast_blas():
         [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
     )
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    names = {"serve", "generate", "plan", "cache-prompt", "eval", "bench"}
+    names = {"serve", "generate", "plan", "cache-prompt", "eval", "bench", "convert"}
     assert set(seen) == names | {"import"}, seen
     imported = seen.pop("import")
     assert not (imported and sys.platform.startswith("linux")), "import mlx_kvq rebound the BLAS"
     assert all(seen.values()), seen
+
+
+def test_every_flag_is_defined_in_flags_py_and_one_pipeline_starts_every_command():
+    """Commands compose the definitions of `commands/flags.py` (none adds a flag
+    of its own), and whether a command runs under `mlx.launch` is decided in
+    `startup.Launch` alone (no command has a second startup path)."""
+    import ast
+    from pathlib import Path
+
+    import mlx_kvq.commands
+
+    folder = Path(mlx_kvq.commands.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {n.attr if isinstance(n, ast.Attribute) else n.id
+                 for n in ast.walk(tree) if isinstance(n, ast.Attribute | ast.Name)}  # fmt: skip
+        defines = {"add_argument", "add_argument_group"} & names
+        assert path.name == "flags.py" or not defines, f"{path.name} defines flags: {defines}"
+        launch_checks = {"launched", "run_ranks"} & names
+        assert path.name == "startup.py" or not launch_checks, (path.name, launch_checks)
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("serve", "generate"):
+        flags = {o for a in sub.choices[name]._actions for o in a.option_strings}
+        assert {"--temp", "--top-p", "--top-k", "--min-p", "--max-tokens", "--pipeline"} <= flags

@@ -24,7 +24,6 @@ from mlx_kvq.distributed.coordinator import (
 from mlx_kvq.distributed.group import env_leader_host, exchange, gather_json
 from mlx_kvq.distributed.heartbeat import RankLoss
 from mlx_kvq.distributed.loading import (
-    KV_HEADS,
     PIPELINE,
     SPLIT,
     TENSOR,
@@ -45,6 +44,7 @@ from mlx_kvq.engine import (
     StopNotice,
     WarmupVerdict,
 )
+from mlx_kvq.model_facts import declared, facts
 from mlx_kvq.quant import Store
 
 
@@ -193,12 +193,12 @@ def test_replicas_make_the_ranks_divide_the_kv_heads():
         assert (h * kv_replicas(h, n)) % n == 0
 
 
-@pytest.mark.parametrize("name", sorted(KV_HEADS))
+@pytest.mark.parametrize("name", declared("kv_heads"))
 def test_replicated_kv_heads_compute_the_same_model(name):
     """Each declared module, replicated in one process: every query head
     still reads (a copy of) its own KV head, so the logits do not change."""
     model = archs.build_model(name)
-    attribute = KV_HEADS[name].attribute
+    attribute = facts(name).kv_heads.attribute
     heads = [getattr(layer.self_attn, attribute) for layer in model.layers]
     tokens = archs.prompt_tokens(12)[None]
     before = model(tokens)
@@ -287,8 +287,8 @@ def non_default(hint, default=dataclasses.MISSING, salt: int = 0):
         return not default if isinstance(default, bool) else True
     if hint is int:
         return (default if isinstance(default, int) else 0) + 3 + salt
-    if hint is float:
-        return (default if isinstance(default, float | int) else 0.0) + 0.375 + salt
+    if hint is float:  # a fraction, so that probabilities (top_p, min_p) stay valid
+        return ((default if isinstance(default, float | int) else 0.0) + 0.375 + salt) % 1.0
     if hint is str:
         return f"s{salt}"
     raise AssertionError(f"no non-default value for {hint}: extend non_default")

@@ -23,7 +23,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from mlx_kvq.commands import build_parser
 from mlx_kvq.server.fields import FIELDS, Treatment
-from mlx_kvq.server.schemas import ChatCompletionRequest, CompletionRequest
+from mlx_kvq.server.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "server.md"
 # Defaults that differ on purpose (docs/server.md, "Flags").

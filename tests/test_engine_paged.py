@@ -15,7 +15,14 @@ from prometheus_client import generate_latest
 
 from mlx_kvq.attention import count_attention
 from mlx_kvq.config import KVConfig
-from mlx_kvq.engine import Engine, EngineOptions, GenerationRequest, SamplingParams
+from mlx_kvq.engine import (
+    Checkpoint,
+    Engine,
+    EngineOptions,
+    GenerationRequest,
+    SamplingParams,
+    Segment,
+)
 from mlx_kvq.plan import plan_kv
 from mlx_kvq.server.prometheus import make_registry
 from mlx_kvq.server.web import blocks_status
@@ -145,3 +152,36 @@ def test_a_shared_prefix_is_mapped_by_reference(loaded):
         assert "mlx_kvq_kv_blocks_shared " in text
     finally:
         eng.stop()
+
+
+def test_sessions_sent_together_wait_for_the_system_prompt_being_prefilled(loaded):
+    """Six chats with one system prompt (a checkpoint at its end), sent at once:
+    the first computes the system prompt, the others wait for its copy and map
+    it; the prompt tokens computed are the system prompt once and every
+    chat's own, and the text is what each says alone."""
+    system = [(5 * i) % 190 + 3 for i in range(45)]
+    prompts = [system + [60 + i, 70 + i, 80 + i] for i in range(6)]
+    checkpoints = (Checkpoint(len(system), Segment.SYSTEM),)
+    alone = _engine(loaded, None, prompt_cache_size=0)
+    try:
+        want = [_run(alone, [p], max_tokens=5)[0] for p in prompts]
+    finally:
+        alone.stop()
+    eng = _engine(loaded, 4, prompt_cache_size=40)
+    try:
+        before = eng.metrics.snapshot().prompt_tokens
+        collectors = []
+        for p in prompts:
+            c = Collector()
+            eng.submit(
+                GenerationRequest(p, SamplingParams(max_tokens=5), checkpoints=checkpoints), c
+            )
+            collectors.append(c)
+        got = [c.wait() for c in collectors]
+        computed = eng.metrics.snapshot().prompt_tokens - before
+    finally:
+        eng.stop()
+    assert [c.tokens for c in got] == want
+    assert [c.end.usage.cached_tokens for c in got] == [0] + [len(system)] * 5
+    # every prompt token but the last (the first decode step reads it), the system prompt once
+    assert computed == sum(len(p) - 1 for p in prompts) - 5 * len(system)

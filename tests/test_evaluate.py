@@ -164,7 +164,7 @@ def test_rotation_lowers_key_error_with_outlier_channels():
 def test_cli_json_is_well_formed(tiny, monkeypatch, capsys):
     model, tokens = tiny
     texts = {"a": (tokens, None), "b": (tokens[::-1], None)}
-    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, texts))
+    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t, dtype="auto": (model, None, texts))
     rc = main(
         ["eval", "--kv-bits", "4", "--kv-rotation", "hadamard", "--context", str(CONTEXT),
          "--chunk", str(CHUNK), "--windows", "2", "--json", "--no-progress"]
@@ -185,7 +185,9 @@ def test_cli_json_is_well_formed(tiny, monkeypatch, capsys):
 
 def test_cli_scores_several_settings_against_one_reference(tiny, monkeypatch, capsys):
     model, tokens = tiny
-    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, {"a": (tokens, None)}))
+    monkeypatch.setattr(
+        ev, "load_eval_inputs", lambda m, t, dtype="auto": (model, None, {"a": (tokens, None)})
+    )
     rc = main(
         ["eval", "--kv-group-size", "32", "--setting", "--kv-bits 8", "--setting",
          "--kv-key-bits 4 --kv-value-bits 0", "--setting", "--kv-bits 4 --kv-group-size 64",
@@ -215,7 +217,9 @@ def test_cli_scores_several_settings_against_one_reference(tiny, monkeypatch, ca
 
 def test_cli_table_and_bad_setting(tiny, monkeypatch, capsys):
     model, tokens = tiny
-    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, {"a": (tokens, None)}))
+    monkeypatch.setattr(
+        ev, "load_eval_inputs", lambda m, t, dtype="auto": (model, None, {"a": (tokens, None)})
+    )
     assert main(["eval", "--kv-key-bits", "8", "--context", "32", "--chunk", "16", "--windows", "1",
                     "--no-progress"]) == 0  # fmt: skip
     out = capsys.readouterr().out
@@ -248,7 +252,9 @@ def test_cli_defaults_to_the_default_setting_and_zero_turns_it_off(tiny, monkeyp
     from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 
     model, tokens = tiny
-    monkeypatch.setattr(ev, "load_eval_inputs", lambda m, t: (model, None, {"a": (tokens, None)}))
+    monkeypatch.setattr(
+        ev, "load_eval_inputs", lambda m, t, dtype="auto": (model, None, {"a": (tokens, None)})
+    )
     common = ["--context", "32", "--chunk", "16", "--windows", "1", "--json", "--no-progress"]
     assert main(["eval", *common]) == 0
     (data,) = json.loads(capsys.readouterr().out)["settings"]

@@ -2,7 +2,8 @@
 
 Each case runs in a fresh interpreter (the suite itself runs on the fast
 BLAS, tests/conftest.py): the same mlx-lm computation, with and without
-`import mlx_kvq`, must give the same bits.
+`import mlx_kvq`, must give the same bits, and importing any module of the
+package leaves mlx-lm's functions and module attributes as they were.
 """
 
 from __future__ import annotations
@@ -71,23 +72,97 @@ print(json.dumps({
 
 
 def _run(first: str, code: str = MODELS, env: dict[str, str] | None = None) -> dict:
+    """What the code prints as JSON, its lines merged (`first` runs before it)."""
     environ = {k: v for k, v in os.environ.items() if k != blas.ENV}
     environ.update(env or {})
     out = subprocess.run(
         [sys.executable, "-c", f"{first}\n{code}"],
         check=True, capture_output=True, text=True, env=environ, timeout=300,
     )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    merged = {}
+    for line in out.stdout.strip().splitlines():
+        if line.startswith("{"):
+            merged.update(json.loads(line))
+    return merged
 
 
-def test_mlx_lm_computes_the_same_bits_with_and_without_the_import():
-    """mlx-lm's gemma3n chunking test keeps its outcome, and float32 logits
-    keep every bit, whether `mlx_kvq` (or its generation entry points, which
-    install the attention redirect) is imported or not."""
+# Every mlx_kvq module imported one after another (entry points `__main__`
+# aside, which run a command), each checked against what mlx-lm's modules
+# held before: its entry points, its caches and attention, and model modules
+# of each attention layout (the redirect rewrites the model modules already
+# imported). Prints what changed, by the importing module.
+EVERY_MODULE = r"""
+import importlib, json, pkgutil, sys
+for name in ("mlx_lm.generate", "mlx_lm.server", "mlx_lm.sample_utils", "mlx_lm.utils",
+             "mlx_lm.models.base", "mlx_lm.models.cache", "mlx_lm.models.llama",
+             "mlx_lm.models.gemma3_text", "mlx_lm.models.gemma3n", "mlx_lm.models.gpt_oss",
+             "mlx_lm.models.deepseek_v41"):
+    importlib.import_module(name)
+
+def snapshot():
+    out = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "mlx_lm" or name.startswith("mlx_lm.")):
+            continue
+        attrs = {k: id(v) for k, v in vars(module).items()}
+        for k, v in vars(module).items():
+            if isinstance(v, type) and v.__module__ == name:
+                attrs.update({f"{k}.{m}": id(x) for m, x in vars(v).items()})
+        out[name] = attrs
+    return out
+
+import mlx_kvq
+before = snapshot()
+changed = {}
+names = [m.name for m in pkgutil.walk_packages(mlx_kvq.__path__, "mlx_kvq.")]
+for name in [n for n in names if not n.endswith("__main__")]:
+    importlib.import_module(name)
+    after = snapshot()
+    for mod, attrs in after.items():
+        was = before.get(mod)
+        if was is None:
+            continue
+        diff = sorted(k for k in set(was) | set(attrs) if was.get(k) != attrs.get(k))
+        if diff:
+            changed[name] = changed.get(name, []) + [f"{mod}: {d}" for d in diff]
+    before = after
+print(json.dumps({"modules": len(names), "changed": changed}))
+"""
+
+# Then what imports no longer do, the code paths that need it do: a plan
+# redirects mlx-lm's attention, the first cache makes our classes loadable by
+# name from mlx-lm prompt files.
+PLANNING = r"""
+import json
+import mlx_lm.models.base as base, mlx_lm.models.cache as cache
+from mlx_kvq import attention, plan
+from mlx_kvq.caches import KVQFullCache
+from mlx_kvq.config import QuantSpec
+first = [base.scaled_dot_product_attention is attention.MLX_LM_ATTENTION,
+         hasattr(cache, "KVQFullCache")]
+plan.plan_kv({"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1,
+              "intermediate_size": 32, "num_attention_heads": 2, "rms_norm_eps": 1e-5,
+              "vocab_size": 16})
+KVQFullCache(QuantSpec(4), QuantSpec(4))
+then = [base.scaled_dot_product_attention is attention.scaled_dot_product_attention,
+        cache.KVQFullCache is KVQFullCache]
+print(json.dumps({"planning": {"first": first, "then": then}}))
+"""
+
+
+def test_importing_the_package_changes_nothing_of_mlx_lm():
+    """Importing every module of the package leaves mlx-lm's functions and
+    module attributes (and its classes') as they were, and mlx-lm computes the
+    same bits with and without it (its gemma3n chunking test keeps its
+    outcome, float32 logits keep every bit); the redirect and the cache
+    classes' registration come with planning and making caches."""
     without = _run("")
     assert without["gemma3n_chunking_allclose"] is True, without
-    assert _run("import mlx_kvq") == without
-    assert _run("import mlx_kvq, mlx_kvq.generate") == without
+    out = _run(EVERY_MODULE, MODELS + PLANNING)
+    assert out["modules"] > 90, out
+    assert out["changed"] == {}, out["changed"]
+    assert {k: out[k] for k in without} == without
+    assert out["planning"] == {"first": [True, False], "then": [True, True]}
 
 
 @linux

@@ -27,12 +27,14 @@ from hypothesis import strategies as st
 from mlx_lm.models import cache as C
 
 from mlx_kvq import attention
+from mlx_kvq.caches import keep_in_prompt_cache
 from mlx_kvq.caches.base import DEQUANTIZED
 from mlx_kvq.caches.paged import (
     BlockPool,
     KVQPagedFullCache,
     KVQPagedSequence,
     KVQPagedWindowCache,
+    Pages,
 )
 from mlx_kvq.caches.window import KVQBatchWindowCache, KVQWindowCache
 from mlx_kvq.config import QuantSpec
@@ -198,7 +200,12 @@ class Pair:
         q = self.data.q(b, n)
         self.ours.prepare(lengths=lengths, right_padding=pad)
         self.ref.prepare(lengths=lengths, right_padding=pad)
+        before = [t.length for t in self.ours.tables]
         got = _ours(self.ours, q, k, v, self.native)
+        # the padding is never written: each row holds its own tokens only
+        assert [t.length for t in self.ours.tables] == [
+            b + x for b, x in zip(before, lengths, strict=True)
+        ]
         want = _reference(self.ref, q, k, v, self.kspec, self.vspec)
         self.ours.finalize()
         self.ref.finalize()
@@ -577,3 +584,88 @@ def test_paged_caches_have_their_kinds():
     pool = BlockPool(4, QuantSpec(4), QuantSpec(4))
     assert type(_batch(pool)) is KVQPagedFullCache
     assert type(_batch(pool, window=8)) is KVQPagedWindowCache
+
+
+# -- the pools as the memory accounting --------------------------------------------
+def _pages_batch(pages, key, rows, window=None, account=None):
+    pool = pages.pool(key, QuantSpec(4), QuantSpec(4), window)
+    seqs = [KVQPagedSequence(pool, window) for _ in range(rows)]
+    for s in seqs:
+        s.table.hold_for(account)
+    return pool, KVQPagedSequence.merge(seqs)
+
+
+def test_the_allocator_knows_who_holds_each_block():
+    """References belong to accounts: a request's tables, the prompt cache's
+    entries (their blocks yield first), copies in passing; a copy of a
+    request's table is still its own."""
+    pages = Pages(4)
+    data = Data(7)
+    pool, batch = _pages_batch(pages, (0, None), rows=2, account=1)
+    batch.update_and_fetch(*data.kv(2, 10))  # 3 blocks a row
+    a = pool.allocator
+    assert a.held == {1: 6} and a.live == a.used == 6 and a.cached == 0
+    split = copy.deepcopy(batch)  # mlx-lm splits a prompt batch by copying it
+    assert a.held == {1: 12} and a.live == 6
+    del split
+    entry = batch.extract(0)
+    keep_in_prompt_cache([entry], list(range(10)))
+    assert a.held == {1: 6} and a.live == 6 and a.cached == 0  # shared with its row: live
+    batch.filter([1])
+    assert a.held == {1: 3} and a.live == 3 and a.cached == 3  # only the entry holds row 0's
+    fetched = copy.deepcopy(entry)  # what the prompt cache hands a new request
+    assert fetched.table.account is None and a.live == 6
+    fetched.table.hold_for(2)
+    assert a.held == {1: 3, 2: 3}
+    del fetched, entry
+    assert a.used == 3 and a.cached == 0
+
+
+def test_full_blocks_are_found_by_the_tokens_they_hold():
+    """An entry's full blocks are registered under the chained hash of their
+    tokens; a prompt with the same prefix finds them (not the partly filled
+    last one, not after a different token), windows only what their next
+    token sees; a block cut back or freed is forgotten."""
+    pages = Pages(4)
+    data = Data(8)
+    tokens = list(range(100, 114))  # 3 full blocks and 2 tokens
+    full, fb = _pages_batch(pages, (0, None), rows=1, account=1)
+    win, wb = _pages_batch(pages, (1, None), rows=1, window=6, account=1)
+    fb.update_and_fetch(*data.kv(1, 14))
+    wb.update_and_fetch(*data.kv(1, 14))
+    entries = [fb.extract(0), wb.extract(0)]
+    keep_in_prompt_cache(entries, tokens)
+    found = pages.match(tokens + [7, 8, 9])
+    assert found[(0, None)] == entries[0].table.ids[:3]
+    assert found[(1, None)] == [b for b in entries[1].table.ids if b in win.allocator.in_use()][:1]
+    assert pages.match(tokens[:5] + [999] * 9)[(0, None)] == entries[0].table.ids[:1]
+    assert pages.match(tokens[:12])[(0, None)] == entries[0].table.ids[:2]  # the last token left
+    # a claim holds them for an admitted request until its tables do
+    assert pages.claim(3, tokens + [7]) == {(0, None): 3, (1, None): 1}
+    assert full.allocator.held[3] == 3
+    pages.unclaim(3)
+    assert 3 not in full.allocator.held
+    entries[0].trim(3)  # 11 tokens: its third block is partly filled again, its own
+    del fb
+    assert pages.match(tokens + [7])[(0, None)] == entries[0].table.ids[:2]
+    del entries
+    assert pages.match(tokens + [7]) == {(0, None): [], (1, None): []}
+
+
+def test_promises_and_the_storage_limit():
+    """What a request was promised and does not hold yet is counted as
+    promised; storage never grows past the limit the budget leaves, and a
+    block made past it is counted."""
+    pages = Pages(4)
+    data = Data(9)
+    pool, batch = _pages_batch(pages, (0, None), rows=1, account=5)
+    pages.promise(5, {(0, None): 4})
+    assert pages.use()[(0, None)].promised == 4
+    batch.update_and_fetch(*data.kv(1, 6))  # 2 blocks
+    use = pages.use()[(0, None)]
+    assert (use.live, use.promised) == (2, 2)
+    pages.limit = pages.nbytes + pool.block_bytes  # room for one more block
+    batch.update_and_fetch(*data.kv(1, 8))  # 2 more: one fits, one is past the limit
+    assert pool.capacity == 4 and pages.overdrafts == 1
+    pages.close(5)
+    assert pages.use()[(0, None)].promised == 0

@@ -35,9 +35,12 @@ def test_public_names_resolve():
     assert mlx_kvq.make_prompt_cache is generate.make_prompt_cache
     assert mlx_kvq.plan_kv is plan.plan_kv and mlx_kvq.KVPlan is plan.KVPlan
     assert issubclass(mlx_kvq.UnsupportedKVConfig, ValueError)
-    # Using any entry point installs the attention redirect.
+    # Planning (what every entry point does first) installs the attention redirect.
     import mlx_lm.models.base as mlx_base
 
+    plan.plan_kv({"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1,
+                  "intermediate_size": 32, "num_attention_heads": 2, "rms_norm_eps": 1e-5,
+                  "vocab_size": 16})  # fmt: skip
     assert mlx_base.scaled_dot_product_attention is attention.scaled_dot_product_attention
 
 

@@ -19,9 +19,9 @@ from kvq_testing.scripted import save_scripted_model
 from kvq_testing.server import MlxLmServerProcess, ServerProcess
 
 from mlx_kvq.commands import main
-from mlx_kvq.server import schemas
+from mlx_kvq.server.openai import schemas
+from mlx_kvq.server.openai.variants import VariantError, check_adapter
 from mlx_kvq.server.settings import ServerSettings
-from mlx_kvq.server.variants import VariantError, check_adapter
 
 ANSWER = "Paris is the capital of France."
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

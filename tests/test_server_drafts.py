@@ -86,9 +86,9 @@ def test_draft_model_serves_requests_speculatively(paths):
 
 def test_without_draft_model_the_fields_are_refused(paths, tmp_path):
     """Checked on the request schema and the server's settings, without a process."""
-    from mlx_kvq.server import schemas
+    from mlx_kvq.server.openai import schemas
+    from mlx_kvq.server.openai.variants import VariantError, draft_tokens
     from mlx_kvq.server.settings import ServerSettings
-    from mlx_kvq.server.variants import VariantError, draft_tokens
 
     plain = ServerSettings(model_id="m")
     drafting = ServerSettings(model_id="m", draft_model="/d", num_draft_tokens=5)

@@ -35,8 +35,8 @@ from kvq_testing import archs
 from mlx.utils import tree_flatten
 
 import mlx_kvq
-from mlx_kvq.caches import KVQIndexerCache, KVQLayerCache, cache_report
-from mlx_kvq.caches.layer import KVQCompressedRows, KVQWindowRows
+from mlx_kvq.caches import KVQDeepseekV41Cache, KVQIndexerCache, cache_report
+from mlx_kvq.caches.deepseek_v41 import KVQCompressedRows, KVQWindowRows
 from mlx_kvq.config import KVConfig, QuantSpec, UnsupportedKVConfig
 from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 from mlx_kvq.generate import load_prompt_cache, save_prompt_cache
@@ -172,7 +172,7 @@ def test_layer_cache_appends_what_the_model_assigns_and_bounds_the_window():
         "window": KVQWindowRows(Q8, Q8, max_rows=8),
         "compress_kv": KVQCompressedRows(Q8, Q8, ratio=4),
     }
-    cache = KVQLayerCache(8, leaves)
+    cache = KVQDeepseekV41Cache(8, leaves)
     for n in (5, 6, 1, 1):
         kv = _rows(rng, 1, n, 64)
         out = cache.update_window(kv)

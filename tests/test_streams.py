@@ -8,7 +8,8 @@ import asyncio
 
 from mlx_kvq.engine import FinishEvent, FinishReason, GenerationRequest, PromptProgress, Usage
 from mlx_kvq.engine.requests import SamplingParams
-from mlx_kvq.server.streams import IDLE, Generation, keepalive
+from mlx_kvq.server.chat.generation import IDLE, Generation
+from mlx_kvq.server.openai.bodies import keepalive
 
 
 class StandInEngine:

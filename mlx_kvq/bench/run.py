@@ -67,7 +67,7 @@ def load_average() -> list[float] | None:
 def run(
     settings: BenchSettings, out: Path, plots: bool = True, command: str = "", log=print
 ) -> int:
-    from .. import attention  # installs the attention redirect
+    from .. import attention
     from . import report
 
     out.mkdir(parents=True, exist_ok=True)

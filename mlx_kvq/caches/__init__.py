@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from .base import DEQUANTIZED, PACKED, KVQCache
 from .chunked import KVQChunkedCache
+from .deepseek_v41 import KVQDeepseekV41Cache
 from .full import KVQBatchFullCache, KVQFullCache
 from .indexer import KVQBatchIndexerCache, KVQIndexerCache
-from .layer import KVQLayerCache
 from .paged import (
     BlockPool,
     KVQPagedFullCache,
@@ -16,20 +16,25 @@ from .paged import (
     Pages,
     PagesStats,
 )
+from .paged.blocks import CACHE, blocks_held
+from .paged.convert import (
+    cached_only_bytes,
+    keep_in_prompt_cache,
+    mapped_blocks,
+    page_caches,
+    pages_slot,
+    unpage_caches,
+)
 from .registry import (
     PROMPT_FILE_CLASSES,
     REGISTRY,
     is_twin,
     leaves,
     lookup,
-    mapped_blocks,
-    page_caches,
-    pages_slot,
     paging_refusal,
     quantize_cache,
     register_for_prompt_files,
     report_leaves,
-    unpage_caches,
 )
 from .split import (
     KVQSplitBatchCache,
@@ -40,12 +45,6 @@ from .split import (
 )
 from .window import KVQBatchWindowCache, KVQWindowCache
 
-# mlx-lm's prompt files must resolve our classes by name: registered whenever
-# the caches are imported, so `import mlx_kvq` alone stays light. (The caches
-# hand attention packed K/V that only mlx-kvq's attention reads: importing
-# `mlx_kvq.attention`, which the planner does, installs that redirect.)
-register_for_prompt_files()
-
 __all__ = [
     "BlockPool",
     "KVQPagedFullCache",
@@ -54,6 +53,10 @@ __all__ = [
     "PagedCache",
     "Pages",
     "PagesStats",
+    "CACHE",
+    "blocks_held",
+    "cached_only_bytes",
+    "keep_in_prompt_cache",
     "mapped_blocks",
     "page_caches",
     "pages_slot",
@@ -70,7 +73,7 @@ __all__ = [
     "KVQChunkedCache",
     "KVQFullCache",
     "KVQIndexerCache",
-    "KVQLayerCache",
+    "KVQDeepseekV41Cache",
     "KVQWindowCache",
     "KVQSplitBatchCache",
     "KVQSplitBatchWindowCache",

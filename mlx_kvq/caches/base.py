@@ -5,6 +5,7 @@ to quantized storage at `quantized_kv_start`, and what it hands the model.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -18,6 +19,21 @@ DEQUANTIZED = "dequantized"  # plain arrays, for model code that needs arrays
 
 # The dtypes a cache may record in a prompt file, by name (never looked up on `mx`).
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+# What making the first mlx-kvq cache sets up outside the package, each once:
+# importing the caches changes nothing (`registry.register_for_prompt_files`
+# adds itself here).
+_FIRST_CACHE: list[Callable[[], None]] = []
+
+
+def on_first_cache(action: Callable[[], None]) -> None:
+    """Run `action` once, when the process makes its first mlx-kvq cache."""
+    _FIRST_CACHE.append(action)
+
+
+def _first_cache() -> None:
+    while _FIRST_CACHE:
+        _FIRST_CACHE.pop()()
 
 
 class KVQCache(BaseCache):
@@ -35,6 +51,8 @@ class KVQCache(BaseCache):
     def _init_specs(
         self, key_spec: QuantSpec, value_spec: QuantSpec, start: int = 0, hand_out: str = PACKED
     ) -> None:
+        if _FIRST_CACHE:
+            _first_cache()
         self.key_spec = key_spec
         self.value_spec = value_spec
         self.start = start

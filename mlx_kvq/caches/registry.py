@@ -15,19 +15,24 @@ from mlx_lm.models import cache as mlx_cache
 
 from ..config import QuantSpec
 from ..mlx_lm_internals import batch_cursor
+from ..model_facts import FACTS, OwnCache, facts
 from ..quant import Store
-from .base import PACKED, KVQCache
+from .base import PACKED, KVQCache, on_first_cache
 from .chunked import KVQChunkedCache
+from .deepseek_v41 import (
+    KVQCompressedRows,
+    KVQDeepseekV41Cache,
+    KVQIndexRows,
+    KVQWindowRows,
+    PendingRows,
+)
 from .full import KVQBatchFullCache, KVQFullCache
 from .indexer import KVQBatchIndexerCache, KVQIndexerCache
-from .layer import KVQCompressedRows, KVQIndexRows, KVQLayerCache, KVQWindowRows, PendingRows
 from .paged import (
     KVQPagedFullCache,
     KVQPagedFullSequence,
-    KVQPagedSequence,
     KVQPagedWindowCache,
     KVQPagedWindowSequence,
-    Pages,
 )
 from .split import (
     KVQSplitBatchCache,
@@ -53,7 +58,7 @@ class CacheKind:
     convert: Converter | None
     window: Callable[[object], int | None] = lambda c: None
     one_sequence: bool = False  # its batch form holds one sequence
-    # Its K/V can live in block pools (caches/paged.py). Kinds that hold
+    # Its K/V can live in block pools (caches/paged/). Kinds that hold
     # little or whose layout attention does not read through block tables
     # keep their own layout: MLA hand-outs and indexers, chunked attention
     # (llama4's chunk-local mask), deepseek_v41's layer cache, recurrent state.
@@ -138,7 +143,7 @@ REGISTRY: dict[type, CacheKind] = {
     KVQCompressedRows: CacheKind("compressed", _same),
     KVQIndexRows: CacheKind("indexer", _same),
     PendingRows: CacheKind("state", None),
-    KVQLayerCache: CacheKind("layer", _same, lambda c: c.window_size, one_sequence=True),
+    KVQDeepseekV41Cache: CacheKind("layer", _same, lambda c: c.window_size, one_sequence=True),
     KVQSplitCache: CacheKind("full", _same, split=_same),
     KVQSplitWindowCache: CacheKind("sliding", _same, lambda c: c.max_size, split=_same),
     KVQSplitChunkedCache: CacheKind("chunked", _same, lambda c: c.chunk_size, split=_same),
@@ -146,19 +151,22 @@ REGISTRY: dict[type, CacheKind] = {
     KVQSplitBatchWindowCache: CacheKind("sliding", _same, lambda c: c.max_size, split=_same),
 }
 
-# Model-specific cache classes, declared by qualified name (no model module is
-# imported for this). Their fields are planned one by one (see plan.py).
+
+def _own_kind(own: OwnCache) -> CacheKind:
+    return CacheKind("layer", None, lambda c: getattr(c, own.window_attribute), one_sequence=True)
+
+
+# Model-specific cache classes (`model_facts.OwnCache`), by qualified name (no
+# model module is imported for this). Their fields are planned one by one (see plan.py).
 BY_NAME: dict[str, CacheKind] = {
-    "mlx_lm.models.deepseek_v41.LayerCache": CacheKind(
-        "layer", None, lambda c: c.window_size, one_sequence=True
-    ),
+    f.own_cache.qualname: _own_kind(f.own_cache) for f in FACTS.values() if f.own_cache
 }
 
 # Our own caches: already what a plan builds.
 TWINS = frozenset(cls for cls, kind in REGISTRY.items() if kind.convert is _same)
 
 # Containers: their members are looked up one by one.
-CONTAINERS = (mlx_cache.CacheList, KVQLayerCache)
+CONTAINERS = (mlx_cache.CacheList, KVQDeepseekV41Cache)
 
 
 def lookup(cache) -> CacheKind | None:
@@ -179,7 +187,7 @@ def leaves(cache) -> list:
 def report_leaves(cache) -> list:
     """What a report lists for a slot: its leaves, with the report views of
     deepseek_v41's open compression group (`PendingRows`), which are no caches."""
-    if type(cache) is KVQLayerCache:
+    if type(cache) is KVQDeepseekV41Cache:
         return list(cache.report_members)
     if type(cache) in CONTAINERS:
         return [leaf for c in cache.caches for leaf in report_leaves(c)]
@@ -237,7 +245,7 @@ PROMPT_FILE_CLASSES: dict[str, type] = {
         KVQBatchWindowCache,
         KVQIndexerCache,
         KVQBatchIndexerCache,
-        KVQLayerCache,
+        KVQDeepseekV41Cache,
         KVQSplitCache,
         KVQSplitWindowCache,
         KVQSplitChunkedCache,
@@ -249,100 +257,19 @@ PROMPT_FILE_CLASSES: dict[str, type] = {
 
 def register_for_prompt_files() -> None:
     """Make our classes resolvable where mlx-lm's `load_prompt_cache` looks
-    them up (`globals()` of `mlx_lm.models.cache`)."""
+    them up (`globals()` of `mlx_lm.models.cache`): done when the process
+    makes its first mlx-kvq cache, or loads a prompt file, never at import."""
     for name, cls in PROMPT_FILE_CLASSES.items():
-        if cls.__module__.startswith("mlx_kvq."):
+        if cls.__module__.startswith("mlx_kvq.") and getattr(mlx_cache, name, None) is not cls:
             setattr(mlx_cache, name, cls)
 
 
+on_first_cache(register_for_prompt_files)
+
+
 # -- the paged layout -------------------------------------------------------------
-# Models whose attention takes mask arrays it builds itself, laid out for a
-# padded batch: their layers keep the padded layout (paged attention derives
-# masks from positions).
-UNPAGED_MODELS: dict[str, str] = {
-    "minimax_m3_vl": "its sparse attention passes its own top-k mask arrays",
-}
-
-
 def paging_refusal(model_type: str) -> str | None:
-    """Why a model keeps the padded layout (None: its pageable layers page)."""
-    return UNPAGED_MODELS.get(model_type)
-
-
-def pages_slot(cache) -> bool:
-    """Whether `cache` (one leaf) goes into a block pool: a kind declared
-    `paged`, handing attention packed K/V (attention reads `PagedKV`), stored
-    in its final form from the first token (`--quantized-kv-start` 0), with
-    no sink tokens and no rewind (speculative decoding keeps its own caches)."""
-    kind = lookup(cache)
-    if kind is None or not kind.paged:
-        return False
-    if isinstance(cache, KVQPagedSequence):
-        return True
-    return (
-        cache.hand_out == PACKED
-        and cache.start == 0
-        and getattr(cache, "keep", 0) == 0
-        and not getattr(cache, "rewind", 0)
-    )
-
-
-def _page_leaf(cache, key: tuple[int, int | None], pages: Pages):
-    if isinstance(cache, KVQPagedSequence) or not pages_slot(cache):
-        return cache
-    pool = pages.pool(key, cache.key_spec, cache.value_spec)
-    window = lookup(cache).window(cache)
-    held = cache.held()
-    if held is None:
-        return KVQPagedSequence(pool, window)
-    return KVQPagedSequence.holding(pool, window, *held, cache.offset)
-
-
-def page_caches(caches: list, pages: Pages) -> list:
-    """One sequence's caches with every pageable slot in `pages`' pools (tokens
-    a cache of another layout holds are written into new blocks)."""
-    out = []
-    for slot, c in enumerate(caches):
-        if type(c) is mlx_cache.CacheList:
-            members = [_page_leaf(m, (slot, i), pages) for i, m in enumerate(c.caches)]
-            out.append(mlx_cache.CacheList(*members))
-        else:
-            out.append(_page_leaf(c, (slot, None), pages))
-    return out
-
-
-def _unpage_leaf(cache):
-    if not isinstance(cache, KVQPagedSequence):
-        return cache
-    k, v = cache.key_spec, cache.value_spec
-    if cache.table.length == 0:
-        if cache.window is None:
-            return KVQFullCache(k, v)
-        return KVQWindowCache(cache.window, k, v)
-    keys, values = cache.held()
-    base = cache.table.base
-    if cache.window is None:
-        return KVQFullCache.holding(keys, values, k, v, None)
-    return KVQWindowCache.holding(cache.window, keys, values, base + keys.length, k, v, None)
-
-
-def unpage_caches(caches: list) -> list:
-    """One sequence's caches in their own layout again (copies of their blocks),
-    for code that runs one sequence outside the batch (speculative decoding)."""
-    out = []
-    for c in caches:
-        if type(c) is mlx_cache.CacheList:
-            out.append(mlx_cache.CacheList(*(_unpage_leaf(m) for m in c.caches)))
-        else:
-            out.append(_unpage_leaf(c))
-    return out
-
-
-def mapped_blocks(caches: list) -> int:
-    """Pool blocks one sequence's caches refer to (0 for other layouts)."""
-    return sum(
-        len(leaf.table.ids)
-        for c in caches
-        for leaf in leaves(c)
-        if isinstance(leaf, KVQPagedSequence)
-    )
+    """Why a model keeps the padded layout (None: its pageable layers page):
+    paged attention derives masks from positions, so a model whose attention
+    takes mask arrays laid out for a padded batch cannot page (`model_facts`)."""
+    return facts(model_type).unpaged

@@ -1,4 +1,4 @@
-"""The command line: `mlx-kvq serve | generate | plan | cache-prompt | eval | bench`.
+"""The command line: `mlx-kvq serve | generate | plan | cache-prompt | eval | bench | convert`.
 
 Every entry point lives here: argparse, startup and exit codes, for single
 processes and `mlx.launch` groups alike. Flags that several commands take
@@ -17,11 +17,11 @@ import argparse
 import sys
 
 from ..blas import use_fast_blas
-from . import bench, cache_prompt, generate, plan, serve
+from . import bench, cache_prompt, convert, generate, plan, serve
 from . import eval as eval_command
 
 EXIT_BAD_SETTING = 2
-COMMANDS = (serve, generate, plan, cache_prompt, eval_command, bench)
+COMMANDS = (serve, generate, plan, cache_prompt, eval_command, bench, convert)
 
 
 def build_parser() -> argparse.ArgumentParser:

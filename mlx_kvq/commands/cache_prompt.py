@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from .flags import add_kv_flags, add_model_flag, kv_config
+from .flags import add_cache_prompt_flags, kv_config
 from .startup import kv_setting, load_model, model_source, refuse_early
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("cache-prompt", help="process a prefix once and save its quantized caches")
-    add_model_flag(c)
-    c.add_argument("--prompt", "-p", required=True, help="the prefix to cache (plain text)")
-    c.add_argument(
-        "--prompt-cache-file", required=True, help="where to write the .safetensors file"
-    )
-    c.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per step")
-    add_kv_flags(c)
+    add_cache_prompt_flags(c)
     c.set_defaults(run=run)
 
 

@@ -10,60 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
-from .flags import add_kv_flags, add_model_flag, add_setting_flag, kv_config, setting_namespaces
+from .flags import add_eval_flags, kv_config, setting_namespaces
 from .startup import kv_setting, model_source
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from ..evaluate import DEFAULT_CHUNK, DEFAULT_CONTEXT, DEFAULT_WINDOWS, HELD_CONTEXT
-
     p = sub.add_parser("eval", help="perplexity/KL/top-1 against unquantized caches")
-    add_model_flag(p)
-    p.add_argument(
-        "--text",
-        type=Path,
-        action="append",
-        default=None,
-        help="text file to evaluate on; repeat for several (default with a demo model: "
-        "its in-domain text, then its out-of-domain one: the held-out KJV and modern English)",
-    )
-    add_kv_flags(p)
-    add_setting_flag(
-        p,
-        "all scored against one unquantized run; the KV flags outside --setting apply to "
-        "every setting that does not set them",
-    )
-    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per window")
-    p.add_argument(
-        "--chunk",
-        type=int,
-        default=DEFAULT_CHUNK,
-        help="tokens fed per forward pass (prefill chunk)",
-    )
-    p.add_argument(
-        "--windows",
-        type=int,
-        default=DEFAULT_WINDOWS,
-        help="windows of --context tokens spread over each text",
-    )
-    p.add_argument(
-        "--decode",
-        type=int,
-        default=0,
-        help="feed the last N positions of each window one token at a time",
-    )
-    p.add_argument(
-        "--held-context",
-        type=int,
-        default=HELD_CONTEXT,
-        help="context at which bits per element are measured from the bytes held "
-        f"(default {HELD_CONTEXT})",
-    )
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(run=run)  # fmt: skip
+    add_eval_flags(p)
+    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     spaces = setting_namespaces(args.setting, args)
     for ns in spaces:  # refuse a bad setting before the model loads
         kv_config(ns)
-    model, _, texts = load_eval_inputs(args.model, args.text)
+    model, _, texts = load_eval_inputs(args.model, args.text, args.dtype)
     source = model_source(args)
     cfgs = [kv_setting(ns, source, model) for ns in spaces]
     per_text = []

@@ -1,4 +1,5 @@
-"""Every flag that more than one command takes, defined once.
+"""Every flag of every command, defined once: the shared ones first, then each
+command's own (`add_serve_flags`, `add_generate_flags`, ...).
 
 Names and meanings follow mlx-lm (`--model`, `--kv-bits`, `--kv-group-size`,
 `--quantized-kv-start`, `--max-kv-size`, `--temp`, ...). A value that can be
@@ -12,10 +13,21 @@ import argparse
 import json
 import re
 import shlex
+from pathlib import Path
 
-from ..config import KEY_SCALES, ROTATIONS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVConfig
+from ..config import (
+    KEY_SCALES,
+    PAGED_BLOCK_SIZE,
+    ROTATIONS,
+    SUPPORTED_BITS,
+    SUPPORTED_GROUP_SIZES,
+    KVConfig,
+)
 from ..defaults import resolve_widths
+from ..sampling_params import DEFAULT_MAX_TOKENS, SamplingError, SamplingParams
+from ..server.settings import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RESPONSE_STORE_BYTES, ToolFormat
 from ..speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
+from .http_process import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -74,12 +86,65 @@ def _layers(text: str) -> list[int]:
         ) from None
 
 
+# -- flags several commands take ------------------------------------------------------
+DEFAULT_PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
+
+
+def add_prompt_flag(parser: argparse.ArgumentParser, help: str, default: str | None = None) -> None:
+    """`--prompt` / `-p`: required unless the command has a default prompt."""
+    parser.add_argument("--prompt", "-p", default=default, required=default is None, help=help)
+
+
+def add_prompt_cache_file_flag(
+    parser: argparse.ArgumentParser, help: str, required: bool = False
+) -> None:
+    parser.add_argument("--prompt-cache-file", default=None, required=required, help=help)
+
+
+def add_prefill_step_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP,
+        help=f"prompt tokens per prefill step (default: {DEFAULT_PREFILL_STEP})",
+    )  # fmt: skip
+
+
+def add_pipeline_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pipeline", action="store_true",
+        help="under mlx.launch: pipeline parallel (layers split over ranks) instead of "
+        "tensor parallel (heads split over ranks), as in mlx-lm",
+    )  # fmt: skip
+
+
+def add_seed_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seed", type=int, default=None, help="random seed")
+
+
+def add_json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
 def add_model_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="model directory or repo, or an embedded demo model: demo:gemma (hybrid "
+        help="model directory or repo, a GGUF file (converted once into a cache directory; "
+        "llama, qwen2, qwen3, gemma3), or an embedded demo model: demo:gemma (hybrid "
         "attention, the default) or demo:full (full attention on every layer)",
+    )
+
+
+def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
+    """`--dtype`: what the loaded weights compute in (`mlx_kvq.compute`)."""
+    from ..compute import DTYPES
+
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="dtype of the weights' floats; auto: float32 on MLX's CPU backend for a "
+        "float16/bfloat16 model (its half-precision products skip the BLAS, about 20x "
+        "slower), the model's own elsewhere",
     )
 
 
@@ -280,28 +345,37 @@ def setting_namespaces(texts: list[str] | None, base: argparse.Namespace) -> lis
     return out
 
 
-def add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    """mlx-lm's sampling flags (defaults for every request of a server)."""
-    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus top-p")
-    parser.add_argument("--top-k", type=int, default=0, help="top-k (0: off)")
-    parser.add_argument("--min-p", type=float, default=0.0, help="min-p (0: off)")
+# The sampling flags: (flag, SamplingParams field, type, help); each defaults
+# to that field's default, mlx-lm's.
+SAMPLING_FLAGS = (
+    ("--temp", "temperature", float, "sampling temperature (0: greedy)"),
+    ("--top-p", "top_p", float, "nucleus top-p"),
+    ("--top-k", "top_k", int, "top-k (0: off)"),
+    ("--min-p", "min_p", float, "min-p (0: off)"),
+)
+
+
+def add_sampling_flags(
+    parser: argparse.ArgumentParser, max_tokens: int = DEFAULT_MAX_TOKENS
+) -> None:
+    """mlx-lm's sampling flags (for a server, the defaults of every request)."""
+    defaults = SamplingParams()
+    for flag, name, kind, text in SAMPLING_FLAGS:
+        default = getattr(defaults, name)
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
     parser.add_argument("--max-tokens", "-m", type=int, default=max_tokens,
                         help=f"maximum tokens to generate (default: {max_tokens})")  # fmt: skip
 
 
-def check_sampling(args: argparse.Namespace) -> None:
-    """Refuse sampling defaults no request could use."""
-    if args.max_tokens < 1:
-        raise ValueError("--max-tokens must be at least 1")
-    if args.temp < 0:
-        raise ValueError("--temp must be >= 0")
-    if not 0 < args.top_p <= 1:
-        raise ValueError("--top-p must be in (0, 1]")
-    if args.top_k < 0:
-        raise ValueError("--top-k must be >= 0")
-    if not 0 <= args.min_p <= 1:
-        raise ValueError("--min-p must be in [0, 1]")
+def sampling_defaults(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as `SamplingParams`; a value no sampler can use is a
+    ValueError naming the flag (exit 2)."""
+    given = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in SAMPLING_FLAGS}
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, **given)
+    except SamplingError as e:
+        flag = next((f for f, n, _, _ in SAMPLING_FLAGS if n == e.field), "--max-tokens")
+        raise ValueError(f"{flag} {e.message}") from None
 
 
 def _names(text: str) -> list[str]:
@@ -374,4 +448,371 @@ def add_http_flags(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_PROMPT_WORKERS,
         help="requests whose prompts are rendered and tokenized at once, off the event "
         f"loop; others wait their turn (default: {DEFAULT_PROMPT_WORKERS})",
+    )
+
+
+# -- serve ---------------------------------------------------------------------------
+API_KEY_ENV = "MLX_KVQ_API_KEY"
+DEFAULT_STEP_TIMEOUT_S = 300.0
+DEFAULT_MAX_QUEUED = 256
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    """The `serve` flags: mlx_lm.server's names and meanings, plus ours."""
+    add_model_flag(p)
+    add_dtype_flag(p)
+    add_adapter_flag(p)
+    add_draft_flags(p)
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id listed by /v1/models (default: the --model value)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="allow the tokenizer's custom code"
+    )
+    p.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+    )
+    p.add_argument("--chat-template", default="", help="override the tokenizer's chat template")
+    p.add_argument(
+        "--use-default-chat-template",
+        action="store_true",
+        help="when the tokenizer has no chat template, use its default one (as mlx_lm.server; "
+        "exit 2 when it has none)",
+    )
+    p.add_argument(
+        "--tool-format",
+        choices=[f.value for f in ToolFormat],
+        default=ToolFormat.TEMPLATE.value,
+        help="how tools reach the model: 'template' (the chat template renders them and "
+        "mlx-lm's parser reads the calls; tools get 400 where it cannot) or 'json' (the "
+        "generic format for templates that render no tools: the server describes the tools "
+        "in a system block and holds the answer to plain text or one JSON tool call with a "
+        "grammar); default: template",
+    )
+    p.add_argument(
+        "--chat-template-args",
+        type=json_object,
+        default={},
+        help="JSON object of apply_chat_template arguments, e.g. '{\"enable_thinking\":false}'",
+    )
+    add_sampling_flags(p)
+    add_http_flags(p)
+    p.add_argument(
+        "--decode-concurrency",
+        type=int,
+        default=32,
+        help="sequences decoded together in one batch (default: 32)",
+    )
+    p.add_argument(
+        "--prompt-concurrency", type=int, default=8, help="prompts processed together (default: 8)"
+    )
+    add_prefill_step_flag(p)
+    p.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=10,
+        help="maximum entries in the prompt cache (default: 10; 0 disables it)",
+    )
+    p.add_argument(
+        "--prompt-cache-bytes",
+        type=parse_size,
+        default=None,
+        help="maximum bytes of KV held by the prompt cache, e.g. 2GB; while "
+        "requests run, their KV bytes count against it too (as in mlx-lm)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=None,
+        help="KV memory budget: live sequences and the prompt cache together, e.g. 2GiB; "
+        "a request is admitted when its prompt fits beside what running sequences hold "
+        "(default: derived "
+        "from the machine, less the weights, and printed at startup)",
+    )
+    p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=PAGED_BLOCK_SIZE,
+        help="tokens per block of the paged KV layout (full-attention and sliding-window "
+        f"layers held in blocks, shared prompt prefixes held once; default {PAGED_BLOCK_SIZE}); "
+        "0 keeps mlx-lm's left-padded rows",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=DEFAULT_MAX_QUEUED,
+        help="requests that may wait for admission; more get 429 with Retry-After "
+        f"(default: {DEFAULT_MAX_QUEUED})",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer <key>' or 'x-api-key: <key>' on the API routes "
+        f"(or set {API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=parse_size,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest accepted request body (default: 8MiB); larger gets 413",
+    )
+    p.add_argument(
+        "--response-store-bytes",
+        type=parse_size,
+        default=DEFAULT_RESPONSE_STORE_BYTES,
+        help="bytes of stored /v1/responses (store: true) kept for previous_response_id "
+        "and GET /v1/responses/{id}, oldest dropped first (default: 64MiB)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish "
+        f"before they are answered with an error (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})",
+    )
+    p.add_argument("--warmup-gate", default=None, help=argparse.SUPPRESS)
+    add_kv_flags(p)
+    g = p.add_argument_group("distributed (under mlx.launch)")
+    add_pipeline_flag(g)
+    g.add_argument(
+        "--distributed-step-timeout",
+        type=float,
+        default=DEFAULT_STEP_TIMEOUT_S,
+        help="fail the group when one engine step (a prefill chunk or a decode step on "
+        f"every rank) takes longer than this many seconds (default {DEFAULT_STEP_TIMEOUT_S:g})",
+    )
+
+
+# -- generate ------------------------------------------------------------------------
+GENERATE_MAX_TOKENS = 100  # mlx_lm.generate's --max-tokens
+
+
+def add_generate_flags(g: argparse.ArgumentParser) -> None:
+    """`mlx-kvq generate`: mlx_lm.generate's flags, plus ours."""
+    add_model_flag(g)
+    add_dtype_flag(g)
+    add_adapter_flag(g)
+    add_prompt_flag(g, "the prompt", default="And God said")
+    add_sampling_flags(g, max_tokens=GENERATE_MAX_TOKENS)
+    add_seed_flag(g)
+    g.add_argument(
+        "--ignore-chat-template",
+        action="store_true",
+        help="use the raw prompt without the tokenizer's chat template",
+    )
+    add_draft_flags(g)
+    add_prompt_cache_file_flag(g, "prompt cache written by `mlx-kvq cache-prompt`")
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the whole plan table, and the bytes each cache slot holds at the end",
+    )
+    add_pipeline_flag(g)
+    add_kv_flags(g)
+
+
+# -- cache-prompt --------------------------------------------------------------------
+def add_cache_prompt_flags(c: argparse.ArgumentParser) -> None:
+    add_model_flag(c)
+    add_dtype_flag(c)
+    add_prompt_flag(c, "the prefix to cache (plain text)")
+    add_prompt_cache_file_flag(c, "where to write the .safetensors file", required=True)
+    add_prefill_step_flag(c)
+    add_kv_flags(c)
+
+
+# -- plan ----------------------------------------------------------------------------
+def add_plan_flags(p: argparse.ArgumentParser) -> None:
+    add_model_flag(p)
+    add_kv_flags(p)
+    p.add_argument("--context", type=int, default=32768, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences")
+    add_json_flag(p)
+
+
+# -- eval ----------------------------------------------------------------------------
+def add_eval_flags(p: argparse.ArgumentParser) -> None:
+    from ..evaluate import DEFAULT_CHUNK, DEFAULT_CONTEXT, DEFAULT_WINDOWS, HELD_CONTEXT
+
+    add_model_flag(p)
+    add_dtype_flag(p)
+    p.add_argument(
+        "--text",
+        type=Path,
+        action="append",
+        default=None,
+        help="text file to evaluate on; repeat for several (default with a demo model: "
+        "its in-domain text, then its out-of-domain one: the held-out KJV and modern English)",
+    )
+    add_kv_flags(p)
+    add_setting_flag(
+        p,
+        "all scored against one unquantized run; the KV flags outside --setting apply to "
+        "every setting that does not set them",
+    )
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per window")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=DEFAULT_CHUNK,
+        help="tokens fed per forward pass (prefill chunk)",
+    )
+    p.add_argument(
+        "--windows",
+        type=int,
+        default=DEFAULT_WINDOWS,
+        help="windows of --context tokens spread over each text",
+    )
+    p.add_argument(
+        "--decode",
+        type=int,
+        default=0,
+        help="feed the last N positions of each window one token at a time",
+    )
+    p.add_argument(
+        "--held-context",
+        type=int,
+        default=HELD_CONTEXT,
+        help="context at which bits per element are measured from the bytes held "
+        f"(default {HELD_CONTEXT})",
+    )
+    add_json_flag(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# -- bench ---------------------------------------------------------------------------
+def _tuple_ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def add_bench_flags(p: argparse.ArgumentParser) -> None:
+    from ..bench.settings import MODELS, SECTIONS, BenchSettings
+
+    d = BenchSettings()
+    p.add_argument(
+        "--quick", action="store_true", help="tiny setting (seconds), every section: for tests"
+    )
+    p.add_argument("--out", default="bench-results", help="output folder (JSON, markdown, PNG)")
+    p.add_argument(
+        "--sections",
+        type=_tuple_names,
+        default=None,
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
+    )
+    p.add_argument(
+        "--dtypes", type=_tuple_names, default=None, help=f"default {','.join(d.dtypes)}"
+    )
+    p.add_argument(
+        "--bits", type=_tuple_ints, default=None, help="quantized settings to compare (default 8,4)"
+    )
+    p.add_argument("--kv-group-size", type=int, default=None, help="group size (default 64)")
+    p.add_argument(
+        "--model-size",
+        choices=sorted(MODELS),
+        default=None,
+        help="benchmark model (default small: about 21M parameters)",
+    )
+    p.add_argument(
+        "--model-config",
+        default=None,
+        help="config.json (or a JSON string) of an mlx-lm model to build with random weights",
+    )
+    p.add_argument(
+        "--contexts",
+        type=_tuple_ints,
+        default=None,
+        help="model contexts (default 1024,4096,16384)",
+    )
+    p.add_argument(
+        "--attn-contexts",
+        type=_tuple_ints,
+        default=None,
+        help="cached tokens for attention alone (default 1024,4096,16384,32768)",
+    )
+    p.add_argument(
+        "--attn-queries", type=_tuple_ints, default=None, help="queries per call (default 1,128)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="samples per figure for decode and attention (default 5)",
+    )
+    p.add_argument("--prefill-repeats", type=int, default=None, help="default 3")
+    p.add_argument(
+        "--serving-repeats", type=int, default=None, help="rounds per stream count (default 3)"
+    )
+    p.add_argument("--prefill-chunk", type=int, default=None, help="default 128")
+    p.add_argument(
+        "--reference-blas-contexts",
+        type=_tuple_ints,
+        default=None,
+        help="model contexts also measured on MLX's linked reference BLAS, float32, "
+        "both arms, labelled (default 4096; an empty string for none)",
+    )
+    p.add_argument("--memory-context", type=int, default=None, help="default 16384")
+    p.add_argument(
+        "--memory-dtype", default=None, help="model dtype of the memory and serving sections"
+    )
+    p.add_argument(
+        "--streams", type=_tuple_ints, default=None, help="concurrent streams (default 1,4,16)"
+    )
+    p.add_argument(
+        "--mlx-lm-max-call-s",
+        type=float,
+        default=None,
+        help="skip mlx-lm attention cells predicted to take longer per call (default 30)",
+    )
+    p.add_argument(
+        "--budget-memory",
+        type=parse_size,
+        default=None,
+        help="KV budget of the budget section, e.g. 64MiB (default: what 4 unquantized "
+        "sequences need)",
+    )
+    p.add_argument(
+        "--budget-requests", type=int, default=None, help="requests of the budget section (16)"
+    )
+    p.add_argument(
+        "--budget-prompt", type=int, default=None, help="prompt tokens per request there (128)"
+    )
+    p.add_argument(
+        "--budget-tokens", type=int, default=None, help="generated tokens per request there (128)"
+    )
+    add_setting_flag(
+        p,
+        "each measured in the model section beside --bits (decode and prefill against unquantized)",
+    )
+    p.add_argument("--no-plots", action="store_true")
+    add_seed_flag(p)
+
+
+def _tuple_names(text: str) -> tuple[str, ...]:
+    return tuple(_names(text))
+
+
+# -- convert -------------------------------------------------------------------------
+DTYPE_CHOICES = ("float32", "float16", "bfloat16")
+
+
+def add_convert_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("gguf", help="the GGUF file (llama, qwen2, qwen3 or gemma3)")
+    p.add_argument("out_dir", help="the directory to write (must not exist, or be empty)")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default=None,
+        help="dtype of the dense tensors (default: float32 on MLX's CPU backend, whose "
+        "half-precision products do not use the BLAS; float16 elsewhere)",
+    )
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="make every weight dense, also the block types MLX's quantization holds "
+        "exactly (kept packed by default): on the CPU backend the fastest form, at "
+        "4-8x the bytes",
     )

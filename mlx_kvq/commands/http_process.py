@@ -20,8 +20,8 @@ import uvicorn
 
 from ..engine import Engine
 from ..server.app import create_app
-from ..server.connections import ConnectionLimits, guarded_protocol
-from ..server.lifecycle import Lifecycle
+from ..server.guards.connections import ConnectionLimits, guarded_protocol
+from ..server.guards.draining import Lifecycle
 from ..server.settings import ServerSettings
 
 log = logging.getLogger("mlx_kvq.server")

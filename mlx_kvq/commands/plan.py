@@ -6,26 +6,27 @@ import argparse
 import json
 from pathlib import Path
 
-from .flags import add_kv_flags, add_model_flag, kv_config
-from .startup import kv_setting, model_source
+from .flags import add_plan_flags, kv_config
+from .startup import ModelSource, kv_setting, model_source
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="per-layer KV plan and memory estimate from config.json")
-    add_model_flag(p)
-    add_kv_flags(p)
-    p.add_argument("--context", type=int, default=32768, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=1, help="sequences")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    add_plan_flags(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..from_gguf import is_gguf
     from ..plan import plan_kv
 
     kv_config(args)
-    source = model_source(args)
-    given = Path(source.location)
+    if is_gguf(args.model):  # planned from the file's metadata: no weights converted
+        given = gguf_config(args.model)
+        source = ModelSource(str(given.parent), args.model)
+    else:
+        source = model_source(args)
+        given = Path(source.location)
     if source.local_config is None and not given.is_file():
         raise FileNotFoundError(f"no config.json at {source.location}")
     cfg = kv_setting(args, source, given)
@@ -50,3 +51,15 @@ def run(args: argparse.Namespace) -> int:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
+
+
+def gguf_config(path: str) -> Path:
+    """A GGUF file's mlx-lm config.json, from its metadata alone (no weights
+    converted), in a temporary directory."""
+    import tempfile
+
+    from ..from_gguf import check
+
+    directory = Path(tempfile.mkdtemp(prefix="mlx-kvq-plan-"))
+    (directory / "config.json").write_text(json.dumps(check(path)))
+    return directory / "config.json"

@@ -6,10 +6,11 @@ all before the port opens, so an unsupported setting exits with status 2
 and the plan's message. The port then opens with `/health` at 503 while the
 engine warms up (see `http_process`).
 
-Under `mlx.launch` (`run_ranks`) every rank does the same on its shard, and
-one status exchange stops the whole group (exit 2, naming the failing rank)
-if any rank cannot honour the plan. Rank 0 then serves HTTP; the other ranks
-run the same engine without HTTP, driven by rank 0's per-step commands.
+Under `mlx.launch` every rank takes the same steps on its shard
+(`startup.Launch`), and one status exchange stops the whole group (exit 2,
+naming the failing rank) if any rank cannot honour the plan. Rank 0 then
+serves HTTP; the other ranks run the same engine without HTTP, driven by
+rank 0's per-step commands.
 """
 
 from __future__ import annotations
@@ -18,177 +19,41 @@ import argparse
 import logging
 import os
 import sys
-import threading
 
-from ..config import PAGED_BLOCK_SIZE
+from ..config import UnsupportedKVConfig
 from .flags import (
-    add_adapter_flag,
-    add_draft_flags,
-    add_http_flags,
-    add_kv_flags,
-    add_model_flag,
-    add_sampling_flags,
+    API_KEY_ENV,
+    add_serve_flags,
     check_draft_tokens,
-    check_sampling,
-    json_object,
     kv_config,
-    parse_size,
+    sampling_defaults,
 )
-from .http_process import DEFAULT_SHUTDOWN_TIMEOUT_S, serve_http
+from .http_process import serve_http
 from .startup import (
+    Launch,
     ModelSource,
-    check_sharding_early,
-    kv_setting,
-    load_model,
+    model_directory,
     model_source,
-    tokenizer_config,
-    use_default_chat_template,
+    prepare_compute,
+    refuse_early,
 )
 
 log = logging.getLogger("mlx_kvq.server")
 
-API_KEY_ENV = "MLX_KVQ_API_KEY"
-DEFAULT_STEP_TIMEOUT_S = 300.0
-DEFAULT_MAX_QUEUED = 256
 USEFUL_PROMPT = 256  # the shortest prompt a budget must hold alone for the server to start
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """The `serve` flags: mlx_lm.server's names and meanings, plus ours."""
     p = sub.add_parser("serve", help="OpenAI-compatible server")
-    add_model_flag(p)
-    add_adapter_flag(p)
-    add_draft_flags(p)
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model id listed by /v1/models (default: the --model value)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
-    p.add_argument(
-        "--trust-remote-code", action="store_true", help="allow the tokenizer's custom code"
-    )
-    p.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
-    )
-    p.add_argument("--chat-template", default="", help="override the tokenizer's chat template")
-    p.add_argument(
-        "--use-default-chat-template",
-        action="store_true",
-        help="when the tokenizer has no chat template, use its default one (as mlx_lm.server; "
-        "exit 2 when it has none)",
-    )
-    p.add_argument(
-        "--chat-template-args",
-        type=json_object,
-        default={},
-        help="JSON object of apply_chat_template arguments, e.g. '{\"enable_thinking\":false}'",
-    )
-    add_sampling_flags(p, max_tokens=512)
-    add_http_flags(p)
-    p.add_argument(
-        "--decode-concurrency",
-        type=int,
-        default=32,
-        help="sequences decoded together in one batch (default: 32)",
-    )
-    p.add_argument(
-        "--prompt-concurrency", type=int, default=8, help="prompts processed together (default: 8)"
-    )
-    p.add_argument(
-        "--prefill-step-size",
-        type=int,
-        default=2048,
-        help="prompt tokens per prefill step (default: 2048)",
-    )
-    p.add_argument(
-        "--prompt-cache-size",
-        type=int,
-        default=10,
-        help="maximum entries in the prompt cache (default: 10; 0 disables it)",
-    )
-    p.add_argument(
-        "--prompt-cache-bytes",
-        type=parse_size,
-        default=None,
-        help="maximum bytes of KV held by the prompt cache, e.g. 2GB; while "
-        "requests run, their KV bytes count against it too (as in mlx-lm)",
-    )
-    p.add_argument(
-        "--kv-cache-memory",
-        type=parse_size,
-        default=None,
-        help="KV memory budget: live sequences and the prompt cache together, e.g. 2GiB; "
-        "a request is admitted when its prompt fits beside what running sequences hold "
-        "(default: derived "
-        "from the machine, less the weights, and printed at startup)",
-    )
-    p.add_argument(
-        "--kv-block-size",
-        type=int,
-        default=PAGED_BLOCK_SIZE,
-        help="tokens per block of the paged KV layout (full-attention and sliding-window "
-        f"layers held in blocks, shared prompt prefixes held once; default {PAGED_BLOCK_SIZE}); "
-        "0 keeps mlx-lm's left-padded rows",
-    )
-    p.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=DEFAULT_MAX_QUEUED,
-        help="requests that may wait for admission; more get 429 with Retry-After "
-        f"(default: {DEFAULT_MAX_QUEUED})",
-    )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help=f"require 'Authorization: Bearer <key>' or 'x-api-key: <key>' on the API routes "
-        f"(or set {API_KEY_ENV})",
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=parse_size,
-        default=8 * 1024 * 1024,
-        help="largest accepted request body (default: 8MiB); larger gets 413",
-    )
-    p.add_argument(
-        "--response-store-bytes",
-        type=parse_size,
-        default=64 * 1024 * 1024,
-        help="bytes of stored /v1/responses (store: true) kept for previous_response_id "
-        "and GET /v1/responses/{id}, oldest dropped first (default: 64MiB)",
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-        help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish "
-        f"before they are answered with an error (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})",
-    )
-    p.add_argument("--warmup-gate", default=None, help=argparse.SUPPRESS)
-    add_kv_flags(p)
-    g = p.add_argument_group("distributed (under mlx.launch)")
-    g.add_argument(
-        "--pipeline",
-        action="store_true",
-        help="pipeline parallel (layers split over ranks) instead of tensor parallel "
-        "(heads split over ranks), as in mlx-lm",
-    )
-    g.add_argument(
-        "--distributed-step-timeout",
-        type=float,
-        default=DEFAULT_STEP_TIMEOUT_S,
-        help="fail the group when one engine step (a prefill chunk or a decode step on "
-        f"every rank) takes longer than this many seconds (default {DEFAULT_STEP_TIMEOUT_S:g})",
-    )
-    p.set_defaults(run=run)  # fmt: skip
+    add_serve_flags(p)
+    p.set_defaults(run=run)
 
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Refuse flag values no server could run with (exit 2 before loading)."""
-    from ..server.schemas import check_template_kwargs
+    from ..server.chat.template_args import check_template_kwargs
 
-    check_sampling(args)
+    sampling_defaults(args)
     check_draft_tokens(args)
     for name in ("decode_concurrency", "prompt_concurrency", "prefill_step_size"):
         if getattr(args, name) < 1:
@@ -302,8 +167,8 @@ def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> 
 
 def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
     """What the HTTP layer needs besides the engine."""
-    from ..server.guard import GuardPolicy
-    from ..server.settings import ServerSettings
+    from ..server.guards.browser import GuardPolicy
+    from ..server.settings import ServerSettings, ToolFormat
 
     return ServerSettings(
         model_id=source.served_id,
@@ -311,12 +176,9 @@ def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_bytes=args.max_request_bytes,
         response_store_bytes=args.response_store_bytes,
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
+        sampling=sampling_defaults(args),
         chat_template_args=dict(args.chat_template_args),
+        tool_format=ToolFormat(args.tool_format),
         adapter_path=source.adapter_path,
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,
@@ -330,7 +192,7 @@ def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
 
 def connection_limits(args: argparse.Namespace):
     """The connection bounds of the HTTP flags."""
-    from ..server.connections import ConnectionLimits
+    from ..server.guards.connections import ConnectionLimits
 
     return ConnectionLimits(
         header_timeout=args.header_timeout,
@@ -360,38 +222,58 @@ def setup_logging(args: argparse.Namespace, rank: int | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until interrupted; status 2 for settings refused at startup."""
-    from ..distributed.group import launched
-
-    if launched():
-        return run_ranks(args)
-    setup_logging(args)
-    from ..config import UnsupportedKVConfig
+    """Serve until interrupted, in one process or on every rank of an
+    `mlx.launch` group (rank 0 serves HTTP); status 2 for settings refused at
+    startup."""
     from ..engine import Engine, check_batch_path, warmup_spec
-    from ..plan import plan_kv
 
-    kv_config(args)  # a bad flag fails before the weights are read
-    check_numbers(args)
-    source = model_source(args)
-    model, tokenizer = load_model(source, args)
-    try:
-        kv = kv_setting(args, source, model)
-        plan = plan_kv(model, kv, batch=True)
+    launch = Launch.current()
+    setup_logging(args, launch.rank)
+    with launch.refusing():
+        kv_config(args)  # a bad flag fails before the weights are read
+        check_numbers(args)
+        source = model_source(args)
+        launch.refuse_in_group(args, "draft_model", "adapter_path")
+        if launch.grouped and args.pipeline and args.prompt_cache_bytes is not None:
+            raise ValueError(
+                "--prompt-cache-bytes is not supported with --pipeline: ranks hold different "
+                "bytes, so byte-based eviction would diverge between them; use --prompt-cache-size"
+            )
+        refuse_early(source, launch.kv_setting(args, source))
+    model, tokenizer = launch.load(source, args)
+
+    def checks(plan) -> None:
         check_batch_path(plan.make_cache, kv, max_batch=plan.max_batch)
         warmup_spec(plan.max_window, kv, plan.max_context)
-    except UnsupportedKVConfig as e:
-        raise UnsupportedKVConfig(f"KV setting refused for {source.served_id}: {e}") from None
-    log.info("KV plan for %s:\n%s", source.served_id, plan.table())
+
+    with launch.refusing(f"KV setting refused for {source.served_id}: "):
+        kv = launch.kv_setting(args, source, model)
+        plan, infos = launch.plan(model, kv, batch=True, checks=checks)
+        per_token = {i["bytes_per_token"] for i in infos or ()}
+        if args.prompt_cache_bytes is not None and len(per_token) > 1:
+            raise UnsupportedKVConfig(
+                "--prompt-cache-bytes needs the same KV bytes per token on every rank "
+                f"(got {[i['bytes_per_token'] for i in infos]}); use --prompt-cache-size"
+            )
+    plan_dict = launch.plan_dict(plan, infos)
+    if launch.leader:
+        log.info("KV plan for %s:\n%s", source.served_id, launch.plan_text(plan, infos, True))
     draft = load_draft(args, model, tokenizer, plan, kv)
-    budget = kv_cache_memory(args, model, plan, None if draft is None else draft.model)
-    options = engine_options(
-        args, plan.max_context, args.warmup_gate, plan.max_batch, kv_cache_memory=budget
-    )
-    engine = Engine(model, tokenizer, plan, kv, options, draft=draft)
+    with launch.refusing():
+        budget = kv_cache_memory(args, model, plan, None if draft is None else draft.model)
+    # tests: "{rank}" in the gate path holds back one rank's warm-up
+    gate = args.warmup_gate.replace("{rank}", str(launch.rank)) if args.warmup_gate else None
+    options = engine_options(args, plan.max_context, gate, plan.max_batch, kv_cache_memory=budget)
+    coordinator = launch.coordinator(infos, args.distributed_step_timeout)
+    engine = Engine(model, tokenizer, plan, kv, options, draft=draft, coordinator=coordinator)
+    launch.bind(engine, coordinator)
+    if not launch.leader:
+        return launch.follow(engine, coordinator)
     log.info("%s", engine.capacity.line)
-    settings = server_settings(args, source, plan.to_dict())
-    return serve_http(engine, settings, args.host, args.port, args.log_level,
-                      args.shutdown_timeout, connection_limits(args))  # fmt: skip
+    settings = server_settings(args, source, plan_dict)
+    rc = serve_http(engine, settings, args.host, args.port, args.log_level,
+                    args.shutdown_timeout, connection_limits(args))  # fmt: skip
+    return launch.leave(rc)
 
 
 def load_draft(args: argparse.Namespace, model, tokenizer, plan, kv):
@@ -408,7 +290,8 @@ def load_draft(args: argparse.Namespace, model, tokenizer, plan, kv):
     from ..speculative import check_speculation
 
     try:
-        draft_model, draft_tokenizer = load(args.draft_model)
+        draft_model, draft_tokenizer = load(model_directory(args.draft_model, "--draft-model")[0])
+        prepare_compute(draft_model, args)
     except Exception as e:  # noqa: BLE001 - any load failure is a bad --draft-model
         raise ValueError(
             f"could not load the draft model from {args.draft_model}: {type(e).__name__}: {e}"
@@ -423,113 +306,3 @@ def load_draft(args: argparse.Namespace, model, tokenizer, plan, kv):
         raise UnsupportedKVConfig(f"--draft-model {args.draft_model} refused: {e}") from None
     log.info("KV plan for the draft model %s:\n%s", args.draft_model, draft_plan.table())
     return DraftModel(draft_model, draft_plan, args.draft_model, args.num_draft_tokens)
-
-
-def run_ranks(args: argparse.Namespace) -> int:
-    """One rank of an `mlx.launch` group; see the module docstring."""
-    from ..config import UnsupportedKVConfig
-    from ..distributed.coordinator import GroupCoordinator
-    from ..distributed.group import gather_json, world
-    from ..distributed.heartbeat import Heartbeat, RankLoss, abort_on_loss
-    from ..distributed.loading import load_sharded, sync_seed
-    from ..distributed.planning import group_plan_dict, plan_on_every_rank, ranks_table
-    from ..engine import Engine, check_batch_path, warmup_spec
-
-    rank = world().rank()
-    setup_logging(args, rank)
-    try:
-        kv_config(args)
-        check_numbers(args)
-        source = model_source(args)
-        kv = kv_setting(args, source)  # from config.json: the same on every rank
-        for flag in ("draft_model", "adapter_path"):
-            if getattr(args, flag):
-                raise ValueError(
-                    f"--{flag.replace('_', '-')} is not supported under mlx.launch (as in mlx-lm)"
-                )
-        if args.pipeline and args.prompt_cache_bytes is not None:
-            raise ValueError(
-                "--prompt-cache-bytes is not supported with --pipeline: ranks hold different "
-                "bytes, so byte-based eviction would diverge between them; use --prompt-cache-size"
-            )
-    except (ValueError, FileNotFoundError) as e:
-        raise type(e)(f"rank {rank}: {e}") from None
-    layout = check_sharding_early(source.location, args.pipeline, rank)
-
-    hb = Heartbeat.start()
-    hb.on_group_failed = lambda reason: abort_on_loss(RankLoss(0, reason, reported=True))
-    try:
-        model, tokenizer, _, shard = load_sharded(
-            source.location, args.pipeline, tokenizer_config=tokenizer_config(args),
-            trust_remote_code=args.trust_remote_code, layout=layout,
-        )  # fmt: skip
-    except Exception as e:
-        hb.report_fatal(f"rank {rank}: could not load the model: {type(e).__name__}: {e}")
-        raise ValueError(
-            f"rank {rank}: could not load the model from {source.location}: {type(e).__name__}: {e}"
-        ) from e
-    if args.use_default_chat_template:
-        use_default_chat_template(tokenizer)
-    sync_seed()
-
-    def checks(plan) -> None:
-        check_batch_path(plan.make_cache, kv, max_batch=plan.max_batch)
-        warmup_spec(plan.max_window, kv, plan.max_context)
-
-    try:
-        plan, infos = plan_on_every_rank(model, kv, shard, batch=True, checks=checks)
-        if args.prompt_cache_bytes is not None and len({i["bytes_per_token"] for i in infos}) > 1:
-            raise UnsupportedKVConfig(
-                "--prompt-cache-bytes needs the same KV bytes per token on every rank "
-                f"(got {[i['bytes_per_token'] for i in infos]}); use --prompt-cache-size"
-            )
-    except UnsupportedKVConfig as e:
-        hb.stopping()
-        raise UnsupportedKVConfig(
-            f"rank {rank}: KV setting refused for {source.served_id}: {e}"
-        ) from None
-    group_plan = group_plan_dict(gather_json(plan.to_dict()), infos)
-    if rank == 0:
-        log.info(
-            "KV plan for %s (this rank):\n%s\n%s",
-            source.served_id,
-            plan.table(),
-            ranks_table(infos),
-        )
-
-    # tests: "{rank}" in the gate path holds back one rank's warm-up
-    gate = args.warmup_gate.replace("{rank}", str(rank)) if args.warmup_gate else None
-    try:
-        budget = kv_cache_memory(args, model, plan)  # this rank's share
-    except ValueError as e:
-        hb.stopping()
-        raise ValueError(f"rank {rank}: {e}") from None
-    coordinator = GroupCoordinator(hb, infos, step_timeout=args.distributed_step_timeout)
-    options = engine_options(args, plan.max_context, gate, plan.max_batch, kv_cache_memory=budget)
-    engine = Engine(model, tokenizer, plan, kv, options, coordinator=coordinator)
-    coordinator.bind(engine)
-    hb.on_group_failed = lambda reason: log.error("rank 0 reports: %s", reason)
-    if rank == 0:
-        settings = server_settings(args, source, group_plan)
-        rc = serve_http(engine, settings, args.host, args.port, args.log_level,
-                        args.shutdown_timeout, connection_limits(args))  # fmt: skip
-        leave(hb, rc)
-    engine.start()
-    engine.join()
-    if coordinator.stopped_normally:
-        leave(hb, 0)
-    # This rank failed (rank 0 was told why) or the group did: stay until rank 0 goes,
-    # so that rank 0 keeps answering 503 with the reason; the heartbeat exits us then.
-    log.error("rank %d: engine stopped: %s", rank, engine.readiness.get().reason)
-    threading.Event().wait()
-    return 1
-
-
-def leave(hb, rc: int) -> None:
-    """Exit now: an engine thread stuck in a collective must not hold the process."""
-    hb.stopping()
-    hb.close()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)

@@ -13,13 +13,13 @@ ones, as mlx-lm splits them) and caches for those only.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_map
 
+from ..model_facts import facts
 from .group import world
 
 TENSOR = "tensor"
@@ -98,43 +98,17 @@ def sharding_support(model) -> tuple[bool, bool]:
 
 
 # -- KV heads replicated across ranks -------------------------------------------
-@dataclass(frozen=True)
-class KVHeads:
-    """Where a model module's attention keeps its KV head count.
-
-    Every decoder layer's `self_attn` has `k_proj` / `v_proj` whose output
-    rows are the KV heads one after another, and `attribute` holds their
-    count (what the module's `shard()` divides by the ranks); `derived`
-    recomputes attributes computed from it.
-    """
-
-    attribute: str
-    derived: Callable[[Any], None] | None = None
-
-
-def _gpt_oss_groups(attn) -> None:
-    attn.num_key_value_groups = attn.num_attention_heads // attn.num_key_value_heads
-
-
-# Model modules (mlx_lm.models.<name>, mlx-lm 0.32.2) whose KV heads mlx-kvq
-# replicates: read from each module's Attention and shard(). Others with too
-# few KV heads are refused before loading (planning.check_sharding).
-KV_HEADS: dict[str, KVHeads] = {
-    "exaone_moe": KVHeads("n_kv_heads"),
-    "glm4_moe": KVHeads("n_kv_heads"),
-    "gpt_oss": KVHeads("num_key_value_heads", _gpt_oss_groups),
-    "iquestloopcoder": KVHeads("n_kv_heads"),
-    "llama": KVHeads("n_kv_heads"),
-    "ministral3": KVHeads("n_kv_heads"),
-    "qwen2": KVHeads("n_kv_heads"),
-    "qwen3": KVHeads("n_kv_heads"),
-    "qwen3_moe": KVHeads("n_kv_heads"),
-    "step3p5": KVHeads("num_kv_heads"),
-}
+# mlx-kvq replicates the KV heads of the model modules whose facts name where
+# their attention keeps the count (`model_facts.KVHeads`, read from each
+# module's Attention and shard()); others with too few KV heads are refused
+# before loading (planning.check_sharding).
+def replicates_kv_heads(module: str) -> bool:
+    """Whether mlx-kvq can replicate the KV heads of model module `module`."""
+    return facts(module).kv_heads is not None
 
 
 def model_module(model) -> str:
-    """The mlx-lm module that defines `model` (the key of `KV_HEADS`)."""
+    """The mlx-lm module that defines `model` (the key of its `model_facts`)."""
     return type(model).__module__.rsplit(".", 1)[-1]
 
 
@@ -148,8 +122,8 @@ def replicate_kv_heads(model, ranks: int) -> list[int]:
     `shard()`) so that `ranks` divides the count: head `j` becomes copies
     `j*r .. j*r + r - 1`, so query head `h` still reads a copy of the head it
     read (`h // (q_heads / kv_heads)`), alone or sharded. Returns the copies
-    per layer. Only for modules declared in `KV_HEADS`."""
-    decl = KV_HEADS[model_module(model)]
+    per layer. Only for modules whose facts declare `kv_heads`."""
+    decl = facts(model_module(model)).kv_heads
     copies = []
     for layer in model.layers:
         attn = layer.self_attn

@@ -16,10 +16,10 @@ from typing import Any
 from ..caches import cache_report
 from ..config import KVConfig, UnsupportedKVConfig
 from ..mlx_lm_internals import local_model
+from ..model_facts import declared as declared_facts
 from ..plan import KVPlan, model_from_config, model_type_of, plan_kv
 from .group import gather_json, world
 from .loading import (
-    KV_HEADS,
     MODEL_KEEPS,
     REPLICATED,
     SPLIT,
@@ -27,6 +27,7 @@ from .loading import (
     TensorLayout,
     model_module,
     replicate_kv_heads,
+    replicates_kv_heads,
     sharding_support,
 )
 
@@ -47,7 +48,7 @@ def check_sharding(path: str | Path, pipeline: bool, group=None) -> TensorLayout
     layer per rank. Tensor: the model must have `shard()`; then this rank's
     shard of the config-only model is planned lazily and its KV heads
     compared with the whole model's: each rank must hold 1/N of the heads,
-    or whole heads (replicated by mlx-kvq for the modules in `KV_HEADS`, or
+    or whole heads (replicated by mlx-kvq for the modules whose facts declare `kv_heads`, or
     kept whole by the model's own `shard()`, as latent-attention caches are).
     Returns the `TensorLayout` (None in pipeline mode).
     """
@@ -77,7 +78,7 @@ def check_sharding(path: str | Path, pipeline: bool, group=None) -> TensorLayout
         )
     whole = plan_kv(model, KVConfig()).kv_layers
     heads = tuple(p.kv_heads for p in whole)
-    replicate = any(h % n for h in heads) and model_module(model) in KV_HEADS
+    replicate = any(h % n for h in heads) and replicates_kv_heads(model_module(model))
     local, copies, problem = None, (), None
     try:
         sharded = model_from_config(config_path(path))
@@ -125,7 +126,7 @@ def _heads_message(model_type, model, heads, n, problem, pipelined) -> str:
     if sizes:
         alternatives.append(f"a group of {' or '.join(map(str, sizes))} ranks")
     alternatives.append("one machine")
-    declared = ", ".join(sorted(KV_HEADS))
+    declared = ", ".join(declared_facts("kv_heads"))
     return (
         f"{model_type} has {counts} KV head(s) per layer, which tensor parallelism over {n} "
         f"ranks cannot split ({problem}); mlx-kvq replicates KV heads across ranks only for "

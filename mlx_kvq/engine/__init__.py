@@ -1,5 +1,6 @@
 """Serving core without HTTP: continuous batching over quantized KV caches."""
 
+from ..sampling_params import SamplingError, SamplingParams
 from .budget import Capacity, Ledger, Shape
 from .budget import Share as BudgetShare
 from .coordinator import (
@@ -24,7 +25,6 @@ from .requests import (
     Outcome,
     PromptProgress,
     Rejection,
-    SamplingParams,
     Segment,
     TokenEvent,
     Usage,
@@ -62,6 +62,7 @@ __all__ = [
     "Readiness",
     "RequestStatus",
     "ReadinessState",
+    "SamplingError",
     "SamplingParams",
     "Segment",
     "Shape",

@@ -27,36 +27,40 @@ not a sum of independent caches:
 - Before `--quantized-kv-start` tokens the caches are raw (the model's
   dtype), after it quantized: both are bounded.
 
-With the paged layout (`caches/paged.py`) the layers that page hold no
-padding: each sequence holds its own tokens in blocks of `block_size`
-(rounded up; a window at most `window - 1` tokens before the chunk it
-writes, plus its partly used first block), and the pools grow by a
-sixteenth (at least `POOL_GROWTH` blocks) beyond what is used. A block
-shared with the prompt cache is the prompt cache's; the sequence's copy of
-a shared, partly filled block is its own. Layers that keep their own layout are priced as above.
+With the paged layout (`caches/paged/`) the layers that page hold no
+padding, and their memory is not priced here: the block pools are the
+truth (`Pages`: blocks live, blocks only the prompt cache keeps, blocks
+promised to admitted requests), and a set of sequences fits when the
+blocks they hold and were promised, priced at each slot's bytes per block,
+fit beside the padded slots' bound. What one sequence is promised is what
+the paged forms hold at most (`blocks_held`: its tokens in whole blocks; a
+window at most `window - 1` tokens before the chunk it writes, plus its
+partly used first block). Layers that keep their own layout are priced as
+above.
 
-`CostModel.bound(shapes, prompting)` is the bound for a set of sequences,
-`Ledger` keeps the admitted shapes of each rank and decides admission and
-growth, and the engine measures what the caches really hold after every
-step (`Ledger.check`) against both the budget and the bound.
+`CostModel.bound(shapes, prompting)` is the bound for a set of sequences
+(the capacity line, a prompt that never fits), `Ledger` keeps the admitted
+shapes of each rank and decides admission and growth with the pools'
+truth, and the engine measures what the caches really hold after every step
+(`Ledger.check`) against both the budget and the bound.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from mlx_kvq.caches import KVQCache, Pages, blocks_held
 from mlx_kvq.config import KVConfig, QuantSpec
 from mlx_kvq.plan import KVPlan, LayerPlan
 
-GROWTH = 256  # caches grow their buffers in steps of this many tokens (KVQCache.step)
+GROWTH = KVQCache.step  # the padded caches grow their buffers in steps of this many tokens
 CPU_RAM_SHARE = 0.5  # default budget without Metal: this share of RAM, less the weights
 METAL_SHARE = 0.9  # with Metal: this share of the recommended working set, less the weights
 CAPACITY_TOKENS = 8192  # the capacity line counts sequences of this many tokens (or the context)
 LONGEST_PROBE = 1 << 20  # the longest sequence the capacity line looks for, without a context
-POOL_GROWTH = 1  # a block pool grows by at least this many blocks (BlockPool.min_growth)
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,6 @@ class Shape:
 
     prompt: int
     total: int
-    shared: int = 0  # leading tokens of full-attention blocks mapped by reference (paged)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class SlotCost:
     stored: int  # bytes per token as stored (quantized where the plan quantizes)
     raw: int  # bytes per token in the model's dtype (before quantized_kv_start)
     paged: bool = False  # held in a block pool (the paged layout)
+    key: tuple[int, int | None] = (0, None)  # its (slot, member): the key of its pool
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,8 @@ class CostModel:
             raw = _per_token(p, QuantSpec(None), QuantSpec(None))
             keep = quantized and not p.skipped
             stored = _per_token(p, p.key_spec, p.value_spec) if keep else raw
-            slots.append(SlotCost(p.window, stored, raw, (p.slot, p.member) in paged))
+            key = (p.slot, p.member)
+            slots.append(SlotCost(p.window, stored, raw, key in paged, key))
         state = sum(p.state_bytes for p in plan.layers if p.kind == "state")
         return cls(
             tuple(slots), state, plan.config.quantized_start if quantized else 0,
@@ -119,25 +124,39 @@ class CostModel:
         )  # fmt: skip
 
     # -- the paged slots ---------------------------------------------------------
-    def _paged_row(self, shape: Shape, prompting: bool) -> int:
-        """What one sequence holds in the block pools (no padding to other rows)."""
-        bs = self.block_size
-        total = 0
-        for s in self.slots:
-            if not s.paged:
-                continue
-            blocks = -(-(shape.total - shape.shared) // bs)
-            if s.window is not None:
-                blocks = -(-shape.total // bs)
-                chunk = min(self.prefill_step, shape.prompt) if prompting else 1
-                blocks = min(blocks, -(-(s.window - 1 + chunk) // bs) + 1)
-            total += self.slot_bytes(s, blocks * bs)
-        return total
+    def promise(
+        self, shape: Shape, prompting: bool, cached: int = 0
+    ) -> dict[tuple[int, int | None], int]:
+        """The blocks one sequence holds at most in each paged slot's pool (in
+        its prompt, a window holds a prompt chunk besides: of the tokens after
+        the `cached` it starts from)."""
+        chunk = min(self.prefill_step, max(1, shape.prompt - cached)) if prompting else 1
+        return {
+            s.key: blocks_held(shape.total, self.block_size, s.window, chunk)
+            for s in self.slots
+            if s.paged
+        }
 
-    def _pool_slack(self, used: int) -> int:
-        """Free blocks a pool may hold beyond `used` bytes (its last growth)."""
-        per_block = sum(s.stored * self.block_size for s in self.slots if s.paged)
-        return used // 16 + POOL_GROWTH * per_block
+    def block_bytes(self, key: tuple[int, int | None]) -> int:
+        """Bytes of one block of the paged slot `key`."""
+        return next(s.stored for s in self.slots if s.key == key) * self.block_size
+
+    def blocks_bytes(self, blocks: dict[tuple[int, int | None], int]) -> int:
+        return sum(n * self.block_bytes(key) for key, n in blocks.items())
+
+    def paged_bound(self, shapes: Iterable[Shape], prompting: Iterable[Shape] = ()) -> int:
+        """What these sequences hold at most in the block pools (the rows of
+        `prompting` in their prompt), each block once per holder."""
+        if not self.block_size:
+            return 0
+        pending = list(prompting)
+        total = 0
+        for s in shapes:
+            in_prompt = s in pending
+            if in_prompt:
+                pending.remove(s)
+            total += self.blocks_bytes(self.promise(s, in_prompt))
+        return total
 
     # -- one slot ------------------------------------------------------------
     def slot_bytes(self, s: SlotCost, n: int) -> int:
@@ -177,23 +196,15 @@ class CostModel:
         """The most a batch of these sequences holds at any step boundary, the
         rows of `prompting` (default: any of them) in their prompt."""
         shapes = list(shapes)
+        prompting = shapes if prompting is None else list(prompting)
+        return self.paged_bound(shapes, prompting) + self.padded_bound(shapes, prompting)
+
+    def padded_bound(self, shapes: Iterable[Shape], prompting: Iterable[Shape]) -> int:
+        """`bound` of the slots that keep mlx-lm's left-padded rows (and the
+        recurrent state)."""
+        shapes, prompting = list(shapes), list(prompting)
         if not shapes:
             return 0
-        prompting = shapes if prompting is None else list(prompting)
-        if self.block_size:
-            pending = list(prompting)
-            paged = 0
-            for s in shapes:
-                in_prompt = s in pending
-                if in_prompt:
-                    pending.remove(s)
-                paged += self._paged_row(s, in_prompt)
-            paged += self._pool_slack(paged)
-            return paged + self._padded_bound(shapes, prompting)
-        return self._padded_bound(shapes, prompting)
-
-    def _padded_bound(self, shapes: list[Shape], prompting: list[Shape]) -> int:
-        """`bound` of the slots that keep mlx-lm's left-padded rows."""
         n = len(shapes)
         longest = max(s.total for s in shapes)
         decoding, _ = self.row_bounds(longest, 1)
@@ -208,9 +219,10 @@ class CostModel:
         from a decoding or a prompt batch)."""
         total = self.state_bytes
         for s in self.slots:
-            n = tokens if s.window is None else min(tokens, s.window - 1 + self.prefill_step)
-            if s.paged:
-                n = (-(-n // self.block_size) + 1) * self.block_size
+            if s.paged:  # an entry keeps what its next token sees (`window.py`)
+                n = blocks_held(tokens, self.block_size, s.window, chunk=0) * self.block_size
+            else:
+                n = tokens if s.window is None else min(tokens, s.window - 1 + self.prefill_step)
             total += self.slot_bytes(s, n)
         return total
 
@@ -239,7 +251,7 @@ class CostModel:
         return int(self.prompt_rows + left // max(decoding, 1))
 
     def unquantized(self) -> CostModel:
-        slots = tuple(SlotCost(s.window, s.raw, s.raw, s.paged) for s in self.slots)
+        slots = tuple(replace(s, stored=s.raw) for s in self.slots)
         return CostModel(slots, self.state_bytes, 0, self.prefill_step, self.prompt_rows,
                          "unquantized", self.block_size)  # fmt: skip
 
@@ -249,7 +261,9 @@ class CostModel:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostModel:
         d = dict(d)
-        d["slots"] = tuple(SlotCost(**s) for s in d["slots"])
+        d["slots"] = tuple(
+            SlotCost(**{**s, "key": tuple(s.get("key", (0, None)))}) for s in d["slots"]
+        )
         return cls(**d)
 
 
@@ -355,10 +369,15 @@ class Ledger:
     and preempted in the same order everywhere), so a group admits or grows
     a sequence only when every rank can hold it, and every rank decides it
     alike.
+
+    With the paged layout, `pages` (this process's pools) says what the paged
+    slots hold and were promised, in blocks: the same counts on every rank,
+    priced at each rank's bytes per block; the shapes price the other slots.
     """
 
     shares: list[Share]
     me: int = 0  # this process's rank
+    pages: Pages | None = None  # the paged layout's pools (None: the shapes price every slot)
     shapes: dict[int, Shape] = field(default_factory=dict)  # by request id
     prompting: set[int] = field(default_factory=set)  # ids whose prompt is being processed
     leaving: dict[int, Shape] = field(default_factory=dict)  # released after the next step
@@ -394,7 +413,32 @@ class Ledger:
         if new is not None:
             rows.append(new)
             prompting.append(new)
-        return share.cost.bound(rows, prompting) + sum(self.extras.values()) + extra
+        cost = share.cost
+        if self.pages is None:
+            held = cost.bound(rows, prompting)
+        else:
+            held = cost.padded_bound(rows, prompting) + self.paged(share)
+        return held + sum(self.extras.values()) + extra
+
+    def paged(self, share: Share | None = None) -> int:
+        """`share`'s bytes of the blocks live sequences hold and were promised
+        besides (0 without the paged layout)."""
+        if self.pages is None:
+            return 0
+        cost = (share or self.share).cost
+        return sum(
+            (u.live + u.promised) * cost.block_bytes(key) for key, u in self.pages.use().items()
+        )
+
+    def padded(self) -> int:
+        """This rank's bound of the slots that do not page (and of the extras)."""
+        rows = list(self.shapes.values()) + list(self.leaving.values())
+        prompting = [self.shapes[i] for i in self.prompting if i in self.shapes]
+        prompting += list(self.leaving.values())
+        held = self.share.cost.padded_bound(rows, prompting)
+        if self.pages is None:
+            held += self.share.cost.paged_bound(rows, prompting)
+        return held + sum(self.extras.values())
 
     def reserved(self, rank: int | None = None) -> int:
         """Bytes the admitted sequences can hold on `rank` (default: this one)
@@ -428,7 +472,7 @@ class Ledger:
         """Let an admitted sequence reach `total` tokens (and hold `extra_bytes`
         besides, when given) if every rank still fits; False otherwise."""
         held = self.shapes[request_id]
-        shape = Shape(held.prompt, total, held.shared)
+        shape = Shape(held.prompt, total)
         more = 0 if extra_bytes is None else extra_bytes - self.extras.get(request_id, 0)
         if not all(
             self._bound(s, swap=(request_id, shape), extra=more) <= s.budget for s in self.shares

@@ -4,23 +4,34 @@ With a KV budget, every admitted sequence holds a shape in the `Ledger`
 (`budget.py`): its prompt, and the tokens it may reach before it next grows.
 A sequence is admitted with its prompt and a small decode reserve
 (`DECODE_RESERVE` tokens, never its `max_tokens`); as it decodes it grows,
-another reserve at a time, when the bound of every rank still fits the
-budget. The prompt cache holds what the sequences leave free and yields
-first: its byte cap is the room the sequences leave (`room`), and in a
-group every rank evicts alike, charging entries by their bound. After every
-step the bytes the caches really hold are measured against the budget and
-the bound (`Ledger.check`).
+another reserve at a time, when every rank still fits the budget.
 
-The scheduler asks `Memory` (admit, grow, release) and never sees bytes;
-a paged layout replaces this module's pricing, not the scheduler.
+The paged layout's slots are counted by their pools (`caches.Pages`), the
+one truth about blocks: an admitted request is promised the blocks its
+shape holds at most, claims the blocks already holding its prompt's prefix
+(they are held once, however many sequences map them: no price for them),
+and the budget asks the pools how many blocks are live and promised. Slots
+that cannot page are priced by the shapes.
+
+The prompt cache holds what the sequences leave free and yields first: its
+byte cap is the room the sequences leave (`room`), counted as the bytes it
+alone holds (its own caches, and the blocks no live sequence refers to), and
+in a group every rank evicts alike, charging entries by their bound. The
+pools' storage may grow to what the budget leaves them (`Pages.limit`).
+After every step the bytes the caches really hold are measured against the
+budget and the bound (`Ledger.check`).
+
+The scheduler asks `Memory` (admit, grow, release) and never sees bytes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from mlx_kvq.caches import Pages, keep_in_prompt_cache
 
 from .budget import CostModel, Ledger, Shape, Verdict
 from .prompt_cache import PromptCache
@@ -41,6 +52,7 @@ class Need:
     step: int  # tokens the next step adds at most
     limit: int  # the most tokens it can reach (prompt + max_tokens)
     keep: int = 0  # rewound tokens it holds besides (the speculative lane)
+    tokens: Sequence[int] = ()  # what it starts from (when admitted: its prefix may be held)
 
 
 class Memory(Protocol):
@@ -61,58 +73,53 @@ class Memory(Protocol):
     def to_batch(self, request_id: int) -> None:
         """The lane's sequence moves into the batch (its draft caches are freed)."""
 
+    def covered(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` a sequence starting now finds cached."""
+
 
 class KVMemory:
-    """`Memory` over a `Ledger` (None: no budget, everything fits) and the prompt cache."""
+    """`Memory` over a `Ledger` (None: no budget, everything fits), the block
+    pools of the paged layout (None: none) and the prompt cache."""
 
     def __init__(
         self,
         ledger: Ledger | None,
         prompt_cache: PromptCache,
         *,
+        pages: Pages | None = None,
         prompt_cache_bytes: int | None = None,
         draft_cost: CostModel | None = None,
         live_bytes: Callable[[], int] = lambda: 0,
-        cached_bytes: Callable[[], int] | None = None,
         lane_cost: CostModel | None = None,
-        between_steps: Callable[[], None] = lambda: None,
-        shared_prefix: Callable[[int], tuple[tuple[int, ...], int] | None] | None = None,
         reserve: int = DECODE_RESERVE,
     ):
         self.ledger = ledger
         self.prompt_cache = prompt_cache
+        self.pages = pages
+        if ledger is not None:
+            ledger.pages = pages
         self.prompt_cache_bytes = prompt_cache_bytes
         self.draft_cost = draft_cost
         self.live_bytes = live_bytes
         self.lane_cost = lane_cost  # the model's caches on the lane, when priced apart
-        # before measuring: give back storage nothing holds (the paged layout's pools)
-        self.between_steps = between_steps
-        # The paged layout: the prompt-cache prefix (key, whole blocks of tokens) a
-        # waiting request will map by reference. Its blocks are priced once, however
-        # many sequences map them, and each sequence for its own tokens only.
-        self.shared_prefix = shared_prefix
-        self._credit: dict[int, tuple[tuple[int, ...], int]] = {}
-        self._pins: dict[tuple[int, ...], int] = {}
-        # what the prompt cache holds beyond the live sequences (the paged
-        # layout: its own caches, and pool blocks no live sequence refers to)
-        self.cached_bytes = cached_bytes or (lambda: prompt_cache.nbytes)
         self.reserve = max(1, reserve)
         self.serving = False  # live sequences exist to cap the prompt cache by (mlx-lm's rule)
+        if pages is not None:
+            prompt_cache.held_bytes = self._prompt_cache_holds
 
     # ------------------------------------------------------------ sequences
     def _shape(self, need: Need, total: int) -> tuple[Shape, int | None]:
-        """The ledger's shape for `need` reaching `total` tokens (less a prefix it
-        maps by reference), and the bytes its draft model's caches hold on the
-        lane (None in the batch)."""
-        shared = self._credit.get(need.request_id, ((), 0))[1]
-        shape = Shape(need.prompt + need.keep, total + need.keep, shared)
+        """The ledger's shape for `need` reaching `total` tokens, and the bytes
+        its draft model's caches (and, paged, its own caches in their own
+        layout) hold on the lane (None in the batch)."""
+        shape = Shape(need.prompt + need.keep, total + need.keep)
         if not need.keep or self.draft_cost is None:
             return shape, None
         extra = self.draft_cost.bound([shape])
         if self.lane_cost is not None:
             # the lane runs the model's caches in their own layout, not in blocks
-            batch = self.ledger.share.cost.bound([shape])
-            extra += max(0, self.lane_cost.bound([shape]) - batch)
+            padded = self.ledger.share.cost.padded_bound([shape], [shape])
+            extra += max(0, self.lane_cost.bound([shape]) - padded)
         return shape, extra
 
     def first_shape(self, need: Need) -> Shape:
@@ -122,32 +129,33 @@ class KVMemory:
     def _first_total(self, need: Need) -> int:
         return max(need.prompt + need.step, min(need.limit, need.prompt + self.reserve))
 
-    @staticmethod
-    def _pin_id(key: tuple[int, ...]) -> int:
-        """The ledger's extras entry of a pinned prefix (never a request id)."""
-        return -1 - (hash(key) & 0x7FFFFFFFFFFF)
+    def _promise(
+        self, request_id: int, shape: Shape, prompting: bool, copies: int = 0, cached: int = 0
+    ) -> None:
+        """The blocks `shape` holds at most, per pool (starting from `cached`
+        tokens), and `copies` more each (a shared block partly filled, copied
+        before it is written)."""
+        blocks = self.ledger.share.cost.promise(shape, prompting, cached)
+        self.pages.promise(request_id, {k: n + copies for k, n in blocks.items()})
 
     def admit(self, need: Need) -> bool:
         if self.ledger is None:
             return True
-        prefix = None
-        if not need.keep and self.shared_prefix is not None and not self.group:
-            prefix = self.shared_prefix(need.request_id)
-        pin = 0
-        if prefix is not None:
-            key, tokens = prefix
-            self._credit[need.request_id] = prefix
-            if key not in self._pins:
-                pin = self.ledger.share.cost.bound([Shape(tokens, tokens)], [])
         shape, extra = self._shape(need, self._first_total(need))
-        if not self.ledger.fits(shape, (extra or 0) + pin):
-            self._credit.pop(need.request_id, None)
+        paged = self.pages is not None and not need.keep
+        if paged:
+            copies = cached = 0
+            if need.tokens and not self.group:
+                self.pages.claim(need.request_id, need.tokens)
+                found = self.prompt_cache.peek(list(need.tokens))
+                cached = 0 if found is None else found[1]
+                copies = int(cached % self.pages.block_size != 0)
+            self._promise(need.request_id, shape, True, copies, cached)
+        if not self.ledger.fits(shape, extra or 0):
+            if paged:
+                self.pages.close(need.request_id)
             return False
         self.ledger.reserve(need.request_id, shape, extra or 0)
-        if prefix is not None:
-            self._pins[prefix[0]] = self._pins.get(prefix[0], 0) + 1
-            if pin:
-                self.ledger.extras[self._pin_id(prefix[0])] = pin
         return True
 
     def grow(self, need: Need) -> bool:
@@ -159,35 +167,50 @@ class KVMemory:
         want = need.context + need.step
         if want + need.keep <= held.total:
             return True
+        paged = self.pages is not None and not need.keep
+        before = self.pages.promised(need.request_id) if paged else None
+        prompting = need.request_id in self.ledger.prompting
         for total in dict.fromkeys((max(want, min(need.limit, need.context + self.reserve)), want)):
             shape, extra = self._shape(need, total)
+            if paged:
+                self._promise(need.request_id, shape, prompting)
             if self.ledger.grow(need.request_id, shape.total, extra):
                 return True
+        if paged:
+            self.pages.promise(need.request_id, before)
         return False
 
     def release(self, request_id: int, after_step: bool = False) -> None:
         if self.ledger is not None:
             self.ledger.release(request_id, after_step)
-        self.release_credit(request_id)
+        if self.pages is not None:
+            self.pages.close(request_id)
 
-    def release_credit(self, request_id: int) -> None:
-        """Drop a sequence's prefix credit (and the prefix's pin with its last user)."""
-        prefix = self._credit.pop(request_id, None)
-        if prefix is not None:
-            self._pins[prefix[0]] -= 1
-            if not self._pins[prefix[0]]:
-                del self._pins[prefix[0]]
-                if self.ledger is not None:
-                    self.ledger.extras.pop(self._pin_id(prefix[0]), None)
+    def inserted(self, request_id: int) -> None:
+        """Its tables hold its prefix now: what it claimed goes back."""
+        if self.pages is not None:
+            self.pages.unclaim(request_id)
 
     def prompt_done(self, request_id: int) -> None:
-        if self.ledger is not None:
-            self.ledger.prompt_done(request_id)
+        if self.ledger is None:
+            return
+        self.ledger.prompt_done(request_id)
+        shape = self.ledger.shapes.get(request_id)
+        if self.pages is not None and shape is not None and self.pages.promised(request_id):
+            self._promise(request_id, shape, False)  # no prompt chunk in its windows any more
 
     def to_batch(self, request_id: int) -> None:
-        if self.ledger is not None:
-            self.ledger.drop_extra(request_id)
-            self.ledger.prompting.add(request_id)
+        if self.ledger is None:
+            return
+        self.ledger.drop_extra(request_id)
+        self.ledger.prompting.add(request_id)
+        shape = self.ledger.shapes.get(request_id)
+        if self.pages is not None and shape is not None:
+            self._promise(request_id, shape, True)  # its caches go into the pools
+
+    def covered(self, tokens: Sequence[int]) -> int:
+        found = self.prompt_cache.peek(list(tokens))
+        return 0 if found is None else found[1]
 
     def verdict(self, need: Need) -> Verdict | None:
         """Whether a request's prompt and decode reserve fit the budget even
@@ -198,14 +221,20 @@ class KVMemory:
 
     def clear(self) -> None:
         if self.ledger is not None:
+            for request_id in list(self.ledger.shapes):
+                self.release(request_id)
             self.ledger.clear()
-        self._credit.clear()
-        self._pins.clear()
 
     # ------------------------------------------------------------ the prompt cache
     @property
     def group(self) -> bool:
         return self.ledger is not None and len(self.ledger.shares) > 1
+
+    def _prompt_cache_holds(self) -> int:
+        """Bytes the prompt cache alone holds: its own caches, and the blocks
+        only its entries refer to."""
+        own = self.prompt_cache.storage_nbytes()
+        return own + sum(p.allocator.cached * p.block_bytes for p in self.pages.pools.values())
 
     def cache_budget(self) -> int | None:
         """Prompt-cache byte cap left once live sequences are counted: mlx-lm's
@@ -215,22 +244,8 @@ class KVMemory:
         if self.prompt_cache_bytes is not None and self.serving:
             caps.append(self.prompt_cache_bytes - self.live_bytes())
         if self.ledger is not None and not self.group:
-            # a pinned prefix is priced in the ledger and held by its entry: once
-            pinned = sum(self.ledger.extras.get(self._pin_id(k), 0) for k in self._pins)
-            caps.append(self.ledger.room() + pinned)
+            caps.append(self.ledger.room())
         return min(caps) if caps else None
-
-    def mapped(self, request_id: int, tokens: int) -> None:
-        """The tokens a sequence really mapped by reference when it was inserted:
-        if fewer than it was admitted with (its entry went in between), it is
-        priced for what it holds (measured against the budget as ever)."""
-        prefix = self._credit.get(request_id)
-        if prefix is None or tokens >= prefix[1] or self.ledger is None:
-            return
-        self.release_credit(request_id)
-        held = self.ledger.shapes.get(request_id)
-        if held is not None:
-            self.ledger.shapes[request_id] = Shape(held.prompt, held.total)
 
     def store_prompt(
         self, tokens: list[int], cache: list, segment: Segment = Segment.ANSWER
@@ -240,6 +255,7 @@ class KVMemory:
         room for it by its bound (evicting the oldest entries first)."""
         if self.group and not self.yield_group(len(tokens)):
             return False
+        keep_in_prompt_cache(cache, list(tokens))  # no longer live: what it frees is room
         stored = self.prompt_cache.insert(list(tokens), cache, self.cache_budget(), segment)
         self.measure()
         return stored
@@ -283,13 +299,33 @@ class KVMemory:
         self.trim_prompt_cache()
         self.measure()
 
+    def cached_bytes(self) -> int:
+        """What the prompt cache holds beyond the live sequences: its entries'
+        own caches and, paged, the pools' storage no live sequence refers to
+        (blocks only entries refer to, and free blocks)."""
+        if self.pages is None:
+            return self.prompt_cache.nbytes
+        live = sum(p.allocator.live * p.block_bytes for p in self.pages.pools.values())
+        return self.prompt_cache.storage_nbytes() + self.pages.nbytes - live
+
+    def _between_steps(self) -> None:
+        """The pools may grow to what the budget leaves them, and give back free
+        storage (all of it when they hold more than that)."""
+        pages = self.pages
+        if pages is None:
+            return
+        if self.ledger is not None:
+            own = self.prompt_cache.storage_nbytes()
+            pages.limit = self.ledger.budget - self.ledger.padded() - own
+        pages.compact(everything=pages.limit is not None and pages.nbytes > pages.limit)
+
     def measure(self) -> None:
-        """Measure what the caches hold (live sequences and prompt cache: their
-        `nbytes`) against the budget and the bound of the admitted sequences.
-        Called wherever the bytes held can grow: after a step, after admitting
+        """Measure what the caches hold (live sequences and prompt cache)
+        against the budget and the bound of the admitted sequences. Called
+        wherever the bytes held can grow: after a step, after admitting
         requests (a reused prompt-cache entry is copied) and after a prompt
         cache insertion."""
-        self.between_steps()
+        self._between_steps()
         if self.ledger is None or not self.serving:
             return
         live = self.live_bytes()

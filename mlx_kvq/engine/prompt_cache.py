@@ -14,19 +14,26 @@ prompts, least recently used first within a kind), so the system prompt a
 new conversation starts with outlives the answers of old ones.
 
 Both caps are checked on the one insert path and whenever the byte budget
-shrinks, and bytes are the caches' own `nbytes`, measured on insert.
+shrinks, and bytes are the caches' own `nbytes`, measured on insert. With
+the paged layout, entries hold blocks of the pools (their tables): an
+entry's blocks are the prompt cache's (`keep_in_prompt_cache`), and what it
+holds against its caps is measured by `held_bytes` (its own caches and the
+blocks no live sequence refers to, each once).
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from mlx_kvq.caches import cached_only_bytes, keep_in_prompt_cache
 
 from .requests import Segment
 
@@ -107,10 +114,12 @@ class PromptCache:
     def __init__(self, max_entries: int = 10, max_bytes: int | None = None):
         self.max_entries = max(0, max_entries)
         self.max_bytes = max_bytes
+        # what the entries really hold (paged: blocks live sequences share are theirs)
+        self.held_bytes: Callable[[], int] | None = None
         self._entries: dict[tuple[int, ...], _Entry] = {}
         self._order = LRUPromptCache.CacheOrder([s.value for s in _EVICTION_ORDER])
         self._nbytes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # `held_bytes` may read the entries
         self._hits = self._misses = self._evictions = self._rejected = 0
 
     def __len__(self) -> int:
@@ -118,7 +127,7 @@ class PromptCache:
 
     @property
     def nbytes(self) -> int:
-        return self._nbytes
+        return self._nbytes if self.held_bytes is None else self.held_bytes()
 
     def stats(self) -> PromptCacheStats:
         with self._lock:
@@ -128,7 +137,7 @@ class PromptCache:
                 for s in Segment
             )  # fmt: skip
             return PromptCacheStats(
-                len(self._entries), self._nbytes, self.max_entries, self.max_bytes,
+                len(self._entries), self.nbytes, self.max_entries, self.max_bytes,
                 self._hits, self._misses, self._evictions, self._rejected, by_segment,
             )  # fmt: skip
 
@@ -211,7 +220,13 @@ class PromptCache:
             return False
         key = tuple(tokens)
         cap = self._cap(budget)
-        need = cache_nbytes(cache)  # what its own copy holds at most
+        keep_in_prompt_cache(cache, list(key))  # its blocks are the prompt cache's now
+        own = storage_nbytes(cache)  # what its own copy holds at most
+        need = own + cached_only_bytes(cache)  # with the blocks only the prompt cache holds
+
+        def with_it() -> int:
+            return self._nbytes + need if self.held_bytes is None else self.nbytes + own
+
         with self._lock:
             if cap is not None and need > cap:
                 self._rejected += 1
@@ -219,10 +234,10 @@ class PromptCache:
                 return False
             if key in self._entries:
                 self._drop(key)
-            if cap is not None and self._nbytes + need > cap:
-                # bytes first: the copy below never puts the cache over its cap
-                # (the entry count is kept after the insertion, in mlx-lm's order)
-                self._evict(cap - need)
+            # bytes first: the copy below never puts the cache over its cap
+            # (the entry count is kept after the insertion, in mlx-lm's order)
+            while cap is not None and self._entries and with_it() > cap:
+                self._evict_next()
         own_copy(cache)
         nbytes = cache_nbytes(cache)
         with self._lock:
@@ -271,8 +286,11 @@ class PromptCache:
 
     def _evict(self, cap: int | None) -> None:
         while self._entries and (
-            len(self._entries) > self.max_entries or (cap is not None and self._nbytes > cap)
+            len(self._entries) > self.max_entries or (cap is not None and self.nbytes > cap)
         ):
-            _, key = self._order.pop()
-            self._nbytes -= self._entries.pop(key).nbytes
-            self._evictions += 1
+            self._evict_next()
+
+    def _evict_next(self) -> None:
+        _, key = self._order.pop()
+        self._nbytes -= self._entries.pop(key).nbytes
+        self._evictions += 1

@@ -1,4 +1,4 @@
-"""What flows into and out of the engine: requests, sampling settings, events.
+"""What flows into and out of the engine: requests and events.
 
 Plain data, no MLX and no HTTP, so the server can build requests and read
 events without knowing how the engine schedules them. Everything crossing a
@@ -11,6 +11,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+
+from ..sampling_params import SamplingParams
 
 _ids = itertools.count(1)
 
@@ -55,44 +57,6 @@ class Rejection(str, Enum):
 
     KV_BUDGET = "kv_budget"  # its sequence cannot fit the KV memory budget, even alone (400)
     QUEUE_FULL = "queue_full"  # --max-queued-requests are already waiting (429)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request samples. `temperature == 0` is greedy decoding.
-
-    The penalties, `logit_bias` and XTC have mlx-lm's meanings and defaults
-    (`mlx_lm.sample_utils.make_logits_processors` / `make_sampler`, the values
-    `mlx_lm.server` uses when a request leaves them out); a penalty of 0 is
-    off. `grammar` is an llguidance grammar (JSON text) that the output must
-    match (`response_format`), or None.
-    """
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
-    repetition_penalty: float = 0.0
-    repetition_context_size: int = 20
-    presence_penalty: float = 0.0
-    presence_context_size: int = 20
-    frequency_penalty: float = 0.0
-    frequency_context_size: int = 20
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.1
-    grammar: str | None = None
-
-    def __post_init__(self) -> None:  # lists from JSON (other ranks) become tuples
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(
-            self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias)
-        )
 
 
 @dataclass(frozen=True)

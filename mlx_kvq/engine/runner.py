@@ -1,13 +1,15 @@
 """The batch runner: steps mlx-lm's batch and moves sequences in and out of it.
 
-`BatchRunner` owns mlx-lm's `BatchGenerator` (left-padded rows, prompts
-processed in chunks by a prompt batch, then decoded together) and the
-speculative lane beside it (`speculation.SpeculativeLane`). It inserts a
-sequence with the cache it starts from, steps the batch, takes sequences out
-with their caches (finished, stopped, preempted), copies caches at prompt
-cuts, and reports what the caches hold. It decides nothing: the scheduler
-decides, the engine applies. A paged layout replaces this module's cache
-handling.
+`BatchRunner` owns mlx-lm's `BatchGenerator` (prompts processed in chunks
+by a prompt batch, then decoded together) and the speculative lane beside
+it (`speculation.SpeculativeLane`). The batch's layout is chosen once
+(`choose_layout`): the layers whose kind pages hold their K/V in the block
+pools of `pages` (each row its own blocks, nothing padded), the others keep
+mlx-lm's left-padded rows. It inserts a sequence with the cache it starts
+from (written into the pools where it pages), steps the batch, takes
+sequences out with their caches (finished, stopped, preempted), copies
+caches at prompt cuts, and reports what the caches hold. It decides
+nothing: the scheduler decides, the engine applies.
 
 A preempted sequence leaves with its cache, the tokens that cache holds and
 the token the batch has already sampled for it (`Taken.pending`; mlx-lm
@@ -171,10 +173,11 @@ class BatchRunner:
     def generator(self) -> BatchGenerator | None:
         return self._bg
 
-    def for_batch(self, cache: list) -> list:
+    def for_batch(self, cache: list, account: int | None = None) -> list:
         """`cache` in the batch's layout: pageable slots in the block pools (a
-        paged cache from the prompt cache already maps its blocks there)."""
-        return cache if self.pages is None else page_caches(cache, self.pages)
+        paged cache from the prompt cache already maps its blocks there), held
+        for `account` (the request)."""
+        return cache if self.pages is None else page_caches(cache, self.pages, account)
 
     def for_lane(self, cache: list) -> list:
         """`cache` in the layout the speculative lane runs (its own caches)."""
@@ -182,18 +185,6 @@ class BatchRunner:
 
     def pages_stats(self) -> PagesStats | None:
         return None if self.pages is None else self.pages.stats()
-
-    def compact(self) -> None:
-        """Between steps: the block pools give back what they hold free."""
-        if self.pages is not None:
-            self.pages.compact()
-
-    def pool_rest_bytes(self) -> int:
-        """Pool bytes no live sequence refers to: blocks only prompt-cache entries
-        refer to, and free blocks (0 without the paged layout)."""
-        if self.pages is None:
-            return 0
-        return self.pages.nbytes - self.pages.held_bytes(self.caches())
 
     def insert(
         self,
@@ -208,7 +199,7 @@ class BatchRunner:
         still to process (the last one starts decoding). Returns the pool
         blocks it maps by reference (a paged prompt-cache copy's)."""
         reused = mapped_blocks(cache)
-        cache = self.for_batch(cache)
+        cache = self.for_batch(cache, seq.id)
         (uid,) = self._bg.insert_segments(
             [pieces],
             max_tokens=[max_tokens],
@@ -233,6 +224,19 @@ class BatchRunner:
             seq.uid = None
         out = self._bg.remove(uids, return_prompt_caches=keep_caches)
         return {by_uid[uid].id: v for uid, v in out.items()}
+
+    def forget_row(self, uid: int) -> None:
+        """mlx-lm's batch took row `uid` out itself (its sequence finished)."""
+        seq = self.rows.pop(uid, None)
+        if seq is not None:
+            seq.uid = None
+
+    def discard(self, seq: Sequence) -> None:
+        """`seq` leaves wherever it runs (a batch row, the lane), its caches dropped."""
+        if seq.uid is not None:
+            self.remove([seq])
+        elif self.on_lane(seq):
+            self.lane.drop()
 
     def take_out(self, seq: Sequence) -> Taken:
         """Take `seq` out for preemption: its cache, the tokens it holds, and the
@@ -265,6 +269,11 @@ class BatchRunner:
     def lane_busy(self) -> bool:
         return self.lane is not None and self.lane.busy
 
+    def on_lane(self, seq: Sequence) -> bool:
+        """Whether the speculative lane holds `seq`'s caches (the one answer to
+        where a sequence runs besides its batch row, `seq.uid`)."""
+        return self.lane is not None and self.lane.owner is seq
+
     def caches(self) -> list:
         """Every cache live sequences hold: the batch's and the speculative lane's."""
         batch = [] if self._bg is None else batch_caches(self._bg)
@@ -272,13 +281,14 @@ class BatchRunner:
 
     def live_bytes(self) -> int:
         """KV bytes live sequences hold (batch, lane, draft model), measured;
-        with the paged layout, the pool blocks their tables refer to (each
-        block once) and the other layers' caches."""
+        with the paged layout, the pool blocks something besides the prompt
+        cache refers to (each block once) and the other layers' caches."""
         lane = self.lane.nbytes if self.lane_busy else 0
         if self.pages is not None:
             batch = [] if self._bg is None else batch_caches(self._bg)
             own = sum(c.nbytes for c in batch if not getattr(c, "shares_storage", False))
-            return self.pages.held_bytes(batch) + own + lane
+            blocks = sum(p.allocator.live * p.block_bytes for p in self.pages.pools.values())
+            return blocks + own + lane
         batch = 0 if self._bg is None else self._bg.prompt_cache_nbytes
         return batch + lane
 

@@ -17,7 +17,12 @@ accounting (`memory.Memory`) alone:
   admitted when a decode row is free, fewer than `prompt_rows` prompts are
   being processed, and its prompt plus a small decode reserve fits beside
   what the running sequences hold now (its `max_tokens` reserves nothing).
-  Nothing is admitted in a step that preempted.
+  Nothing is admitted in a step that preempted. A request whose prompt
+  starts as the prompt of a sequence still prefilling does, where that
+  sequence will store a copy in the prompt cache (at its prompt's cuts:
+  the system prompt's end, all but its last token), waits for the copy
+  (`waits_for_prefix`): it then maps the prefix's blocks instead of
+  computing and holding them a second time.
 
 The speculative lane is one more place a sequence runs: a request that may
 speculate gets it when it would be the engine's only sequence; any other
@@ -31,6 +36,7 @@ counted and held without changing it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -39,8 +45,11 @@ from enum import Enum
 from typing import Any
 
 from .memory import Memory, Need
+from .prompt_cache import common_prefix
 from .requests import EventSink, GenerationRequest, Segment
 from .stops import StopMatcher
+
+log = logging.getLogger("mlx_kvq.engine")
 
 
 class RequestStatus(str, Enum):
@@ -71,6 +80,8 @@ class Sequence:
     uid: int | None = None  # its row in the batch (None: queued, or on the lane)
     on_lane: bool = False
     cuts: deque[Segment] = field(default_factory=deque)  # what the next prompt cuts store
+    cuts_at: tuple[int, ...] = ()  # prompt lengths whose copies its prefill stores
+    waited: bool = False  # waited for a prefix another sequence was prefilling
     stop_hit: bool = False
     preemptions: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -93,13 +104,14 @@ class Sequence:
         """The most tokens the sequence can reach."""
         return len(self.request.prompt) + self.max_tokens
 
-    def need(self, lane: bool = False) -> Need:
+    def need(self, lane: bool = False, admitting: bool = False) -> Need:
         """What the sequence needs from memory for its next step (`lane`: on the
         speculative lane, which adds up to `draft_tokens` + 1 tokens a step and
-        keeps as many rewound tokens)."""
+        keeps as many rewound tokens; `admitting`: with the tokens it starts from)."""
         k = self.request.draft_tokens + 1 if lane else 0
         n = len(self.request.prompt) + len(self.generated)
-        return Need(self.id, n, n, max(1, k), self.limit, k)
+        tokens = self.tokens if admitting else ()
+        return Need(self.id, n, n, max(1, k), self.limit, k, tokens)
 
 
 @dataclass(frozen=True)
@@ -232,13 +244,42 @@ class Scheduler:
         seq.status = RequestStatus.PREEMPTED
         seq.preemptions += 1
 
+    def waits_for_prefix(self, seq: Sequence) -> Sequence | None:
+        """The sequence still prefilling whose prompt starts as `seq`'s does and
+        will store a copy of more of it than `seq` could start from now (None:
+        none). `seq` waits for that copy instead of computing and holding its
+        prefix a second time."""
+        tokens = None
+        for other in self.running.values():
+            if other.status is not RequestStatus.PREFILLING or not other.cuts_at:
+                continue
+            if tokens is None:
+                tokens = seq.tokens
+                now = self.memory.covered(tokens)
+            shared = common_prefix(tuple(other.request.prompt), tokens)
+            if any(now < length <= shared for length in other.cuts_at):
+                return other
+        return None
+
     def _admit(self) -> tuple[Sequence | None, Sequence | None, list[Sequence]]:
         to_batch = speculate = None
         admitted: list[Sequence] = []
         while self.waiting:
             seq = self.waiting[0]
+            prefilling = self.waits_for_prefix(seq)
+            if prefilling is not None:
+                if not seq.waited:
+                    seq.waited = True
+                    log.info("request %d waits for the prefix request %d is prefilling",
+                             seq.id, prefilling.id)  # fmt: skip
+                break  # nothing overtakes it: the prefix it waits for is being computed
             idle = not self.running and len(self.waiting) == 1
-            if self.lane and seq.speculative and idle and self.memory.admit(seq.need(lane=True)):
+            if (
+                self.lane
+                and seq.speculative
+                and idle
+                and self.memory.admit(seq.need(lane=True, admitting=True))
+            ):
                 self._start(self.waiting.popleft(), lane=True)
                 speculate = seq
                 continue
@@ -250,7 +291,9 @@ class Scheduler:
                 lane_seq.status = RequestStatus.PREFILLING  # its rest goes through the prompt batch
                 self.memory.to_batch(lane_seq.id)
                 to_batch = lane_seq
-            if self.prefilling() >= self.limits.prompt_rows or not self.memory.admit(seq.need()):
+            if self.prefilling() >= self.limits.prompt_rows or not self.memory.admit(
+                seq.need(admitting=True)
+            ):
                 break
             self._start(self.waiting.popleft())
             admitted.append(seq)

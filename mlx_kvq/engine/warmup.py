@@ -4,21 +4,30 @@ Before `/health` says ready, the engine runs a small batch through exactly
 the path requests take (plan caches, mlx-lm's `BatchGenerator`, extraction
 for the prompt cache) for long enough to pass `--quantized-kv-start` and
 every sliding window, then checks with `cache_report` that every KV cache
-kind of the model ended up quantized. The report it leaves is what
-`/health` shows.
+kind of the model ended up quantized (`run_warmup`; with a draft model,
+one sequence through the speculative lane too). The report it leaves is
+what `/health` shows.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+import mlx.core as mx
+
 from mlx_kvq.caches import cache_report
 from mlx_kvq.config import KVConfig, UnsupportedKVConfig
 from mlx_kvq.plan import KV_KINDS
+
+from .coordinator import WarmupVerdict
+
+log = logging.getLogger("mlx_kvq.engine")
 
 WARMUP_BATCH = 2  # two sequences of different lengths: exercises padding and merge
 WARMUP_DECODE = 4  # decode steps after the prompt: exercises in-place window writes
@@ -211,3 +220,58 @@ def check_batch_path(
                     f"batch path: the batch form of {what} ({type(member).__name__}) does "
                     "not convert at a start position; use --quantized-kv-start 0"
                 )
+
+
+WARMUP_TEXT = (
+    "The quick brown fox jumps over the lazy dog while the server warms up its "
+    "quantized caches, one token at a time. "
+)
+
+
+def run_warmup(
+    runner: Any, plan: Any, tokenizer: Any, kv: KVConfig, max_context: int | None, draft: Any
+) -> tuple[WarmupVerdict, int]:
+    """Run the readiness warm-up through the real batch path (and the
+    speculative lane, with a draft model): this rank's verdict and the width
+    of the model's logits (0 if the warm-up did not see them)."""
+    t0 = time.monotonic()
+    spec = warmup_spec(plan.max_window, kv, max_context)
+    filler = list(tokenizer.encode(WARMUP_TEXT)) or [0]
+    prompts = [(filler * (n // len(filler) + 1))[:n] for n in spec.prompt_lengths]
+    run = runner.warm_up(prompts, spec.max_tokens, plan.make_cache)
+    try:
+        report = verify_warmup(
+            kv, len(plan.kv_layers), run.batch_report, run.longest_report, run.longest, spec
+        )
+    except WarmupFailed as e:
+        log.error("%s", e)
+        return WarmupVerdict(False, error=str(e)), run.vocab
+    if runner.lane is not None:
+        try:
+            report["speculative"] = _warmup_speculation(runner, plan, kv, draft, filler)
+        except Exception as e:  # noqa: BLE001 - the draft path does not work: not ready
+            log.error("speculative warm-up failed: %s", e)
+            return WarmupVerdict(False, error=f"speculative warm-up failed: {e}"), run.vocab
+    mx.clear_cache()
+    report["seconds"] = round(time.monotonic() - t0, 3)
+    log.info("warm-up done in %.2fs: %s", report["seconds"], report["batch"])
+    return WarmupVerdict(True, report=report), run.vocab
+
+
+def _warmup_speculation(runner, plan, kv: KVConfig, draft, filler: list[int]) -> dict:
+    """One greedy sequence through the lane, past every window of both
+    models, drafting and rewinding; the caches it leaves are checked."""
+    windows = [plan.max_window or 0, draft.plan.max_window or 0]
+    n = max(*windows, kv.quantized_start) + WARMUP_MARGIN
+    k = draft.num_draft_tokens
+    prompt = (filler * (n // len(filler) + 1))[:n]
+    run = runner.warm_up_lane(prompt, plan.make_cache(), k, 4 * (k + 1))
+    report = verify_speculation(kv, run.target_report, run.draft_report, run.windows, k)
+    report.update(
+        draft_model=draft.name, num_draft_tokens=k, prompt_tokens=n,
+        generated=run.generated, accepted=run.accepted,
+    )  # fmt: skip
+    log.info(
+        "speculative warm-up: %d tokens, %d drafted tokens accepted", run.generated, run.accepted
+    )
+    return report

@@ -1,11 +1,9 @@
 """`GET /openapi.json`: every route, with the request bodies the API validates.
 
 The API endpoints read their bodies themselves (size cap, JSON checks,
-then the pydantic models of `schemas.py`, `anthropic_schemas.py` and
-`responses_schemas.py`), so FastAPI cannot see those bodies; they are added
+then the pydantic models of each API's `schemas.py`), so FastAPI cannot see those bodies; they are added
 here from the same models, so the published schema is the one requests are
-checked against, each field described with its treatment (`fields.py` and
-the two APIs' lists).
+checked against, each field described with its treatment (`fields.py`).
 """
 
 from __future__ import annotations
@@ -15,15 +13,10 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from .anthropic_schemas import (
-    COUNT_TOKENS_FIELDS,
-    MESSAGES_FIELDS,
-    CountTokensRequest,
-    MessagesRequest,
-)
+from .anthropic.schemas import CountTokensRequest, MessagesRequest
 from .fields import FIELDS
-from .responses_schemas import RESPONSES_FIELDS, ResponsesRequest
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .openai.schemas import ChatCompletionRequest, CompletionRequest
+from .responses.schemas import ResponsesRequest
 
 BODIES = {
     "/v1/chat/completions": ChatCompletionRequest,
@@ -38,9 +31,9 @@ BODIES = {
 DOCUMENTED = (
     (ChatCompletionRequest, FIELDS["chat"]),
     (CompletionRequest, FIELDS["completions"]),
-    (MessagesRequest, MESSAGES_FIELDS),
-    (CountTokensRequest, COUNT_TOKENS_FIELDS),
-    (ResponsesRequest, RESPONSES_FIELDS),
+    (MessagesRequest, FIELDS["messages"]),
+    (CountTokensRequest, FIELDS["messages"]),  # the fields of Messages that shape the prompt
+    (ResponsesRequest, FIELDS["responses"]),
 )
 
 

@@ -1,12 +1,12 @@
 """The FastAPI app: the routers of this package over one engine.
 
-HTTP only. `openai.py` answers OpenAI's chat and completions endpoints,
-`anthropic.py` Anthropic's Messages, `responses.py` OpenAI's Responses (all
-three through `chat_job.py`), `probes.py` the probes and metrics, `web.py`
-the page at `/` and `/status`, `api_doc.py` `/openapi.json`; errors leave
-in OpenAI's body shape, or Anthropic's on its routes (`errors.py`);
-`guard.py` refuses what a web page must not send (a foreign Host or Origin,
-API bodies that are not JSON); `lifecycle.py` refuses new requests while
+HTTP only. `openai/` answers OpenAI's chat and completions endpoints,
+`anthropic/` Anthropic's Messages, `responses/` OpenAI's Responses (all
+three through the one chat model of `chat/`), `probes.py` the probes and
+metrics, `web.py` the page at `/` and `/status`, `api_doc.py`
+`/openapi.json`; errors leave in OpenAI's body shape, or Anthropic's on its
+routes (`errors.py`); `guards/` refuses what a web page must not send (a
+foreign Host or Origin, API bodies that are not JSON) and new requests while
 the process drains. Starting, stopping and signals belong to the process
 that runs the app (`mlx_kvq.commands`).
 """
@@ -23,18 +23,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mlx_kvq.blas import blas_info
 from mlx_kvq.engine import Engine
 
-from .anthropic import messages_router
+from .anthropic.routes import messages_router
 from .api_doc import openapi_document
-from .auth import api_key_check
-from .chat_job import ChatService
+from .chat.prompting import PromptWork
+from .chat.service import ChatService
 from .errors import APIError, error_response_for, validation_message
-from .guard import GuardMiddleware
-from .lifecycle import InFlightMiddleware, Lifecycle
-from .openai import openai_router
+from .guards.auth import api_key_check
+from .guards.browser import GuardMiddleware
+from .guards.draining import InFlightMiddleware, Lifecycle
+from .openai.routes import openai_router
 from .probes import budget_status, probes_router
-from .prompting import PromptWork
-from .response_store import AgentCounters
-from .responses import responses_router
+from .responses.routes import responses_router
+from .responses.store import AgentCounters
 from .settings import ServerSettings
 from .web import web_router
 

@@ -18,9 +18,9 @@ from mlx_kvq.blas import blas_info
 from mlx_kvq.engine import Engine, Status
 from mlx_kvq.kernels import native_status
 
-from .lifecycle import RETRY_AFTER_S
+from .guards.draining import RETRY_AFTER_S
 from .prometheus import make_registry
-from .response_store import AgentCounters
+from .responses.store import AgentCounters
 from .settings import ServerSettings
 
 

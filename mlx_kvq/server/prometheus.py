@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from mlx_kvq.engine import Engine, Outcome, RankView, Rejection
 
-from .response_store import AgentCounters
+from .responses.store import AgentCounters
 
 P = "mlx_kvq_"
 REQUEST_STATUSES = tuple(o.value for o in Outcome)

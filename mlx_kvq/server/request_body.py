@@ -17,12 +17,11 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from .body import BodyError, BodyNotRead, receive_body
+from .chat.prompting import PromptTooLong
 from .errors import validation_message
-from .lifecycle import RETRY_AFTER_S
-from .prompting import PromptTooLong
-from .settings import ServerSettings
-from .variants import DEFAULT_MODEL_ALIAS
+from .guards.body import BodyError, BodyNotRead, receive_body
+from .guards.draining import RETRY_AFTER_S
+from .settings import DEFAULT_MODEL_ALIAS, ServerSettings
 
 
 def check_model_name(name: str, settings: ServerSettings, rejecter: Any, strict: bool) -> None:

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
-from .guard import GuardPolicy
+from mlx_kvq.sampling_params import SamplingParams
 
+from .guards.browser import GuardPolicy
+
+DEFAULT_MODEL_ALIAS = "default_model"  # what clients written for mlx_lm.server send
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_RESPONSE_STORE_BYTES = 64 * 1024 * 1024
+
+
+class ToolFormat(str, Enum):
+    """How tools reach the model and calls come back (`--tool-format`)."""
+
+    TEMPLATE = "template"  # the chat template renders them; mlx-lm's parser reads the calls
+    JSON = "json"  # the generic format (chat/json_tools.py): a system block, a grammar
 
 
 @dataclass(frozen=True)
@@ -20,12 +31,9 @@ class ServerSettings:
     names_checked: bool = False  # --served-model-name given: every API checks `model`
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    max_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # --max-tokens, --temp, ...
     chat_template_args: dict[str, Any] = field(default_factory=dict)
+    tool_format: ToolFormat = ToolFormat.TEMPLATE  # --tool-format
     adapter_path: str | None = None  # the adapter the model was loaded with (--adapter-path)
     draft_model: str | None = None  # the draft model speculative decoding uses (--draft-model)
     num_draft_tokens: int = 3  # tokens drafted per step by default (--num-draft-tokens)

@@ -212,9 +212,9 @@ def status_body(
         "memory": {"active": mx.get_active_memory(), "peak": mx.get_peak_memory()},
         "blas": blas() if blas is not None else None,
         "defaults": {
-            "max_tokens": settings.max_tokens,
-            "temperature": settings.temperature,
-            "top_p": settings.top_p,
+            "max_tokens": settings.sampling.max_tokens,
+            "temperature": settings.sampling.temperature,
+            "top_p": settings.sampling.top_p,
             "max_context": settings.max_context,
         },
     }
