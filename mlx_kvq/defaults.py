@@ -68,6 +68,13 @@ def default_kv_config(bounded: bool) -> KVConfig:
     return DEFAULT_KV_CONFIG if bounded else DEFAULT_FULL_KV_CONFIG
 
 
+def default_name(bounded: bool) -> str:
+    """Which default a model gets, in words (as `mlx-kvq plan` reports it)."""
+    if bounded:
+        return "DEFAULT_KV_CONFIG, the default for models with a bounded layer"
+    return "DEFAULT_FULL_KV_CONFIG, the default for models whose layers all hold the whole context"
+
+
 class Widths(NamedTuple):
     bits: int | None
     key_bits: int | None
