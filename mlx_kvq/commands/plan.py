@@ -37,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
         report = {**plan.to_dict(), "setting_origin": origin, "estimate": estimate}
         print(json.dumps(report, indent=2, default=str))
         return 0
-    print(f"KV setting: {cfg.describe()}, {origin}")
     print(plan.table())
+    print(f"\nKV setting: {cfg.describe()}, {origin}")
     print()
     print(f"estimate at {args.context} tokens x batch {args.batch}:")
     for kind, e in estimate["by_kind"].items():
