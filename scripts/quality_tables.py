@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from mlx_kvq import attention  # noqa: E402
 from mlx_kvq.blas import use_fast_blas  # noqa: E402
+from mlx_kvq.compute import DTYPES  # noqa: E402
 from mlx_kvq.config import KVConfig, QuantSpec  # noqa: E402
 from mlx_kvq.evaluate import evaluate_many, load_eval_inputs  # noqa: E402
 from mlx_kvq.quant import Store  # noqa: E402
@@ -118,7 +119,7 @@ def run_frontier(args, settings=None, data: dict | None = None) -> dict:
     the model's texts. Settings that plan the same layers on this model are
     measured once and recorded under each label."""
     settings = settings or frontier_settings()
-    model, _, texts = load_eval_inputs(args.model, args.text)
+    model, _, texts = load_eval_inputs(args.model, args.text, args.dtype)
     if data is None:
         data = {"args": {k: str(v) for k, v in vars(args).items()}, "labels": [], "texts": {}}
     settings = [(label, c) for label, c in settings if label not in data["labels"]]
@@ -325,12 +326,15 @@ def config_of(row: dict) -> KVConfig:
     return KVConfig(**{**c, "skip_layers": tuple(c["skip_layers"])})
 
 
-def eval_command(row: dict, first: dict, model: str | None = None) -> str:
+def eval_command(row: dict, first: dict, model: str | None = None, dtype: str = "auto") -> str:
     """The `mlx-kvq eval` command that measures `row` on the frontier's windows
-    (of `model`, a demo model's name; the gemma demo needs no flag): no bits
-    flag when it is the package's default setting."""
+    (of `model`, a demo model's name; the gemma demo needs no flag; `dtype`,
+    what the run computed in): no bits flag when it is the package's default
+    setting."""
     cmd = "mlx-kvq eval " + (f"--model demo:{model} " if model not in (None, "gemma") else "")
     cmd += f"--context {first['context']} --chunk {first['chunk']} --windows {first['windows']}"
+    if dtype != "auto":
+        cmd += f" --dtype {dtype}"
     if config_of(row) == package_default(model or "gemma"):
         return cmd
     c = row["kv_config"]
@@ -366,6 +370,12 @@ def combined_rows(raw: dict) -> list[dict]:
     return out
 
 
+def run_dtype(data: dict) -> str:
+    """What a recorded run computed in (`--dtype`; runs recorded before the CPU
+    backend computed half-precision weights in float32 say float16)."""
+    return data["args"].get("dtype", "auto")
+
+
 def default_section(data: dict, model: str = "gemma") -> str:
     """The default's figures on one demo model exactly as the command beside
     them prints them."""
@@ -375,7 +385,7 @@ def default_section(data: dict, model: str = "gemma") -> str:
     first = next(iter(data["texts"].values()))[0]
     results = [{"text": n, **default["texts"][n]} for n in data["texts"]]
     return (
-        f"`{eval_command(default, first, model)}` prints (`demo:{model}`, both texts, in-domain "
+        f"`{eval_command(default, first, model, run_dtype(data))}` prints (`demo:{model}`, both texts, in-domain "
         f"first; {default['bits']:.2f} bits per element held at {first['held_context']} "
         "tokens):\n\n" + format_text_table(results)
     )
@@ -744,6 +754,8 @@ def main(argv=None) -> int:
                    help="frontier: only this setting (its label; repeat for several)")  # fmt: skip
     p.add_argument("--add", action="store_true",
                    help="frontier: add the settings the recorded run of the same windows lacks")  # fmt: skip
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="what the model computes in, as `mlx-kvq eval --dtype`")  # fmt: skip
     p.add_argument("--outlier-tokens", type=int, default=4096)
     p.add_argument(
         "--render", action="store_true", help="rewrite tables and plot from docs/quality.json only"
@@ -766,6 +778,7 @@ def main(argv=None) -> int:
             "python scripts/quality_tables.py --only frontier "
             + (f"--model {args.model} " if args.model else "")
             + f"--context {args.context} --chunk {args.chunk} --windows {args.windows}"
+            + (f" --dtype {args.dtype}" if args.dtype != "auto" else "")
         )
         labels = dict(frontier_settings())
         unknown = [s for s in args.setting or [] if s not in labels]

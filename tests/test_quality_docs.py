@@ -105,7 +105,7 @@ def test_the_rule_picks_each_layouts_default_and_no_one_setting_serves_both(raw)
 def test_the_command_reproduces_the_recorded_figures_on_a_slice(raw, which):
     args = _command_args(BLOCKS[which])
     row = qt.default_row(qt.rows(raw[qt.RULE_RUNS[which]]["data"]), which)
-    model, _, texts = ev.load_eval_inputs(args.model, args.text)
+    model, _, texts = ev.load_eval_inputs(args.model, args.text, args.dtype)
     cfg = kv_setting(args, model_source(args), model)
     assert cfg == LAYOUT_DEFAULTS[which]
     assert list(texts) == list(row["texts"])

@@ -102,21 +102,21 @@ def test_gemma_seed_scenario_every_layer_quantized_and_windows_bounded():
     cache = plan.make_cache()
     from mlx_kvq.generate import generate_step
 
-    prompt = tok.encode(_text(3000))[:480]
+    prompt = tok.encode(_text(3000))[:500]
     kinds = [plan.layer(i).kind for i in range(len(cache))]
     sliding, full = [], []
     for n, _ in enumerate(generate_step(mx.array(prompt), model, prompt_cache=cache)):
-        if n >= 60:  # past the 512-token window
+        if n >= 20:  # past the 512-token window
             sliding.append(
                 sum(c.nbytes for c, k in zip(cache, kinds, strict=True) if k == "sliding")
             )
             full.append([c.offset for c, k in zip(cache, kinds, strict=True) if k == "full"])
-        if n == 90:
+        if n == 30:
             break
     assert len(set(sliding)) == 1, sliding
     assert len({*full[0]}) == len({*full[-1]}) == 1  # the three full layers alike
-    assert full[0][0] > 512 + 30
-    assert full[-1][0] - full[0][0] == 30  # the full layers hold every token
+    assert full[0][0] > 512
+    assert full[-1][0] - full[0][0] == 10  # the full layers hold every token
 
 
 def test_gemma_server_ready_only_after_warmup(tmp_path):
@@ -170,6 +170,10 @@ def _decode(model, caches, prompts):
     return [tokens[u] for u in uids], [np.stack(logprobs[u]) for u in uids]
 
 
+def _kl(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    return (np.exp(p) * (p - q)).sum(-1)
+
+
 @pytest.mark.parametrize("name", ["smollm", "gemma"])
 def test_paged_layout_matches_padded_rows(name):
     model, tok = real_models.loaded(name)
@@ -177,13 +181,16 @@ def test_paged_layout_matches_padded_rows(name):
     plan = plan_kv(model, kv, batch=True)
     text = tok.encode(_text(4000), add_special_tokens=False)
     prompts = [text[:20], text[100:170], text[300:340]]
+    exact = _decode(model, None, prompts)
     padded = _decode(model, [plan.make_cache() for _ in prompts], prompts)
     pages = Pages(16)
     paged = _decode(model, [page_caches(plan.make_cache(), pages) for _ in prompts], prompts)
     assert pages.pools
     assert paged[0] == padded[0]
-    for a, b in zip(paged[1], padded[1], strict=True):
-        # the layouts round in different orders: the distributions agree (what
-        # moves more than 1e-2 is far in the tail, or the quantization's noise)
-        kl = (np.exp(b) * (b - a)).sum(-1)
-        assert kl.max() < 2e-3, kl
+    # The layouts sum in different orders; where a difference crosses a
+    # rounding boundary of the next layer's quantization it moves a value by a
+    # whole step, so the layouts are held to a small part of the quantization's
+    # own effect, not to float precision.
+    between = np.concatenate([_kl(b, a) for a, b in zip(paged[1], padded[1], strict=True)])
+    noise = np.concatenate([_kl(e, b) for b, e in zip(padded[1], exact[1], strict=True)])
+    assert between.mean() < 0.2 * noise.mean(), (between, noise)

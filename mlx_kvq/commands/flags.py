@@ -24,6 +24,7 @@ from ..config import (
     KVConfig,
 )
 from ..defaults import resolve_widths
+from ..engine.disk import DEFAULT_DISK_BYTES
 from ..sampling_params import DEFAULT_MAX_TOKENS, SamplingError, SamplingParams
 from ..server.settings import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RESPONSE_STORE_BYTES, ToolFormat
 from ..speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
@@ -524,6 +525,23 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="maximum bytes of KV held by the prompt cache, e.g. 2GB; while "
         "requests run, their KV bytes count against it too (as in mlx-lm)",
     )
+    p.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        help="directory of the prompt cache's disk tier: prompt-cache entries are written "
+        "there in their quantized form (a prefix many prompts share once) and read back by a "
+        "later request or a restarted server instead of prefilling; files of another model, "
+        "KV setting or version are never loaded; several servers may share it "
+        "(default: none, memory only)",
+    )
+    p.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=parse_size,
+        default=None,
+        help="byte cap of --prompt-cache-dir, e.g. 20GB: every model's files in it count, the "
+        f"least recently used go first (default: {DEFAULT_DISK_BYTES / 2**30:g}GiB)",
+    )
+    p.add_argument("--prompt-cache-write-gate", default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--kv-cache-memory",
         type=parse_size,

@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from ..config import UnsupportedKVConfig
 from .flags import (
@@ -68,6 +69,31 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise ValueError("--kv-block-size must be >= 0 (0: padded rows)")
     check_template_kwargs(args.chat_template_args, "--chat-template-args")
     check_api_key(args.api_key or os.environ.get(API_KEY_ENV) or None)
+    check_prompt_cache_dir(args)
+
+
+def check_prompt_cache_dir(args: argparse.Namespace) -> None:
+    """Refuse a disk tier that cannot work: a cap without a directory, no
+    prompt cache to read into, a directory that cannot be created or written."""
+    if args.prompt_cache_dir is None:
+        if args.prompt_cache_disk_bytes is not None:
+            raise ValueError("--prompt-cache-disk-bytes needs --prompt-cache-dir")
+        return
+    if args.prompt_cache_disk_bytes is not None and args.prompt_cache_disk_bytes < 1:
+        raise ValueError("--prompt-cache-disk-bytes must be at least 1 byte")
+    if args.prompt_cache_size == 0:
+        raise ValueError(
+            "--prompt-cache-dir needs the prompt cache: entries are read back into it "
+            "(--prompt-cache-size 0 turns it off)"
+        )
+    path = Path(args.prompt_cache_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--prompt-cache-dir {path} cannot be used: {e}") from None
 
 
 def check_api_key(key: str | None) -> None:
@@ -102,7 +128,14 @@ def engine_options(
     the log says so. `kv_cache_memory` is the KV budget in bytes (None: admit
     by count only)."""
     from ..engine import EngineOptions
+    from ..engine.disk import DEFAULT_DISK_BYTES, DiskSettings
 
+    disk = None
+    if args.prompt_cache_dir is not None:
+        disk = DiskSettings(
+            args.prompt_cache_dir, args.prompt_cache_disk_bytes or DEFAULT_DISK_BYTES,
+            args.prompt_cache_write_gate,
+        )  # fmt: skip
     decode, prompt = args.decode_concurrency, args.prompt_concurrency
     if max_batch is not None and max(decode, prompt) > max_batch:
         log.warning(
@@ -122,6 +155,7 @@ def engine_options(
         block_size=args.kv_block_size or None,
         max_queued_requests=args.max_queued_requests,
         warmup_gate=warmup_gate,
+        disk=disk,
     )
 
 
@@ -234,6 +268,11 @@ def run(args: argparse.Namespace) -> int:
         check_numbers(args)
         source = model_source(args)
         launch.refuse_in_group(args, "draft_model", "adapter_path")
+        if launch.grouped and args.prompt_cache_dir:
+            raise ValueError(
+                "--prompt-cache-dir is not supported under mlx.launch: the ranks' prompt "
+                "caches must hold the same entries, and each rank would read its own files"
+            )
         if launch.grouped and args.pipeline and args.prompt_cache_bytes is not None:
             raise ValueError(
                 "--prompt-cache-bytes is not supported with --pipeline: ranks hold different "

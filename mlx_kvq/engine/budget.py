@@ -48,6 +48,7 @@ truth, and the engine measures what the caches really hold after every step
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -69,6 +70,11 @@ class Shape:
 
     prompt: int
     total: int
+
+
+def _counts(shapes: Iterable[Shape]) -> Counter[Shape]:
+    """Sequences as counts of their shapes: a bound is linear in each shape's count."""
+    return shapes if isinstance(shapes, Counter) else Counter(shapes)
 
 
 @dataclass(frozen=True)
@@ -149,13 +155,14 @@ class CostModel:
         `prompting` in their prompt), each block once per holder."""
         if not self.block_size:
             return 0
-        pending = list(prompting)
+        in_prompt = _counts(prompting)
         total = 0
-        for s in shapes:
-            in_prompt = s in pending
-            if in_prompt:
-                pending.remove(s)
-            total += self.blocks_bytes(self.promise(s, in_prompt))
+        for shape, n in _counts(shapes).items():
+            p = min(n, in_prompt[shape])
+            if p:
+                total += p * self.blocks_bytes(self.promise(shape, True))
+            if n > p:
+                total += (n - p) * self.blocks_bytes(self.promise(shape, False))
         return total
 
     # -- one slot ------------------------------------------------------------
@@ -195,23 +202,23 @@ class CostModel:
     def bound(self, shapes: Iterable[Shape], prompting: Iterable[Shape] | None = None) -> int:
         """The most a batch of these sequences holds at any step boundary, the
         rows of `prompting` (default: any of them) in their prompt."""
-        shapes = list(shapes)
-        prompting = shapes if prompting is None else list(prompting)
+        shapes = _counts(shapes)
+        prompting = shapes if prompting is None else _counts(prompting)
         return self.paged_bound(shapes, prompting) + self.padded_bound(shapes, prompting)
 
     def padded_bound(self, shapes: Iterable[Shape], prompting: Iterable[Shape]) -> int:
         """`bound` of the slots that keep mlx-lm's left-padded rows (and the
         recurrent state)."""
-        shapes, prompting = list(shapes), list(prompting)
+        shapes, prompting = _counts(shapes), _counts(prompting)
         if not shapes:
             return 0
-        n = len(shapes)
+        n = shapes.total()
         longest = max(s.total for s in shapes)
         decoding, _ = self.row_bounds(longest, 1)
         if not prompting:
             return n * decoding
         _, in_prompt = self.row_bounds(longest, max(s.prompt for s in prompting))
-        rows = min(len(prompting), n, self.prompt_rows)
+        rows = min(prompting.total(), n, self.prompt_rows)
         return n * decoding + rows * max(0, in_prompt - decoding)
 
     def entry_bytes(self, tokens: int) -> int:
@@ -231,7 +238,8 @@ class CostModel:
         if self.block_size:
 
             def fits(n: int) -> bool:
-                return self.bound([shape] * n, [shape] * min(n, self.prompt_rows)) <= budget
+                counts = Counter({shape: n})
+                return self.bound(counts, Counter({shape: min(n, self.prompt_rows)})) <= budget
 
             lo, hi = 0, 1
             while fits(hi):

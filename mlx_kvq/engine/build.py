@@ -6,7 +6,9 @@ set (and the draft model's caches, and the speculative lane's own caches),
 and makes the prompt cache, the batch runner, the memory accounting, the
 scheduler, the samplers, the grammars, the refusals, the output processor,
 the plan's executor and the metrics' reporter, each given the others it
-works with. The engine thread only drives them.
+works with, and the prompt cache's disk tier when a directory is given
+(`disk/`: it hooks into the memory accounting). The engine thread only
+drives them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from mlx_kvq.plan import KVPlan
 
 from .admission import Admission
 from .budget import Capacity, CostModel, Ledger, capacity_tokens, share_for
+from .disk import DiskSettings, DiskTier, open_tier
 from .execution import PlanExecutor
 from .inbox import Inbox
 from .memory import KVMemory
@@ -54,6 +57,7 @@ class EngineOptions:
     block_size: int | None = PAGED_BLOCK_SIZE  # tokens per block (None: padded rows)
     max_queued_requests: int | None = None  # waiting requests before a 429 (None: no limit)
     warmup_gate: str | None = None  # warm-up waits until this file exists (tests)
+    disk: DiskSettings | None = None  # the prompt cache's disk tier (None: memory only)
 
 
 def materialize(model: Any) -> None:
@@ -83,6 +87,7 @@ class EngineParts:
     output: OutputProcessor
     executor: PlanExecutor
     reporter: Reporter
+    disk: DiskTier | None = None
 
 
 def _ledger(plan: KVPlan, o: EngineOptions, layout: Layout) -> Ledger | None:
@@ -138,6 +143,11 @@ def build(
         ledger, prompt_cache, pages=runner.pages, prompt_cache_bytes=o.prompt_cache_bytes,
         draft_cost=draft_cost, live_bytes=runner.live_bytes, lane_cost=lane_cost,
     )  # fmt: skip
+    disk = None
+    if o.disk is not None:
+        disk = open_tier(o.disk, model, plan, layout.block_size, layout.paged, runner.pages)
+        disk.staging = memory
+        memory.disk = disk
     scheduler = Scheduler(
         Limits(o.decode_concurrency, o.prompt_concurrency), memory, lane=draft is not None
     )
@@ -158,10 +168,10 @@ def build(
     executor = PlanExecutor(
         plan, runner, scheduler, memory, prompt_cache, samplers, metrics, output, inbox.admitted
     )
-    reporter = Reporter(metrics, scheduler, runner, memory, prompt_cache, inbox, output)
+    reporter = Reporter(metrics, scheduler, runner, memory, prompt_cache, inbox, output, disk)
     return EngineParts(
         layout, capacity, prompt_cache, runner, memory, scheduler, samplers, grammars,
-        admission, output, executor, reporter,
+        admission, output, executor, reporter, disk,
     )  # fmt: skip
 
 

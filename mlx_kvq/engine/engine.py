@@ -89,6 +89,7 @@ class Engine:
         self._output = parts.output
         self._executor = parts.executor
         self._reporter = parts.reporter
+        self.disk = parts.disk
         self._failed = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlx-kvq-engine", daemon=True)
@@ -209,6 +210,8 @@ class Engine:
         self._end_all(reason)
         self.memory.serving = False
         self.runner.close()
+        if self.disk is not None:
+            self.disk.close()  # what is queued is written first
         self._reporter.publish()
 
     def _end_all(self, reason: str) -> None:

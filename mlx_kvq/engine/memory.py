@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from mlx_kvq.caches import Pages, keep_in_prompt_cache
 
 from .budget import CostModel, Ledger, Shape, Verdict
+from .disk import DiskTier
 from .prompt_cache import PromptCache
 from .requests import Segment
 
@@ -104,6 +105,7 @@ class KVMemory:
         self.lane_cost = lane_cost  # the model's caches on the lane, when priced apart
         self.reserve = max(1, reserve)
         self.serving = False  # live sequences exist to cap the prompt cache by (mlx-lm's rule)
+        self.disk: DiskTier | None = None  # the prompt cache's disk tier (`build` sets it)
         if pages is not None:
             prompt_cache.held_bytes = self._prompt_cache_holds
 
@@ -139,6 +141,8 @@ class KVMemory:
         self.pages.promise(request_id, {k: n + copies for k, n in blocks.items()})
 
     def admit(self, need: Need) -> bool:
+        if self.disk is not None and need.tokens:
+            self.disk.restore(need.request_id, need.tokens)  # a longer prefix from disk, if any
         if self.ledger is None:
             return True
         shape, extra = self._shape(need, self._first_total(need))
@@ -257,6 +261,8 @@ class KVMemory:
             return False
         keep_in_prompt_cache(cache, list(tokens))  # no longer live: what it frees is room
         stored = self.prompt_cache.insert(list(tokens), cache, self.cache_budget(), segment)
+        if self.disk is not None:
+            self.disk.keep(tokens, cache, segment)  # written through, stored in memory or not
         self.measure()
         return stored
 

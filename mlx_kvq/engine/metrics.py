@@ -12,6 +12,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from .disk import DiskTierStats
 from .prompt_cache import PromptCacheStats
 from .requests import Outcome, Rejection
 
@@ -84,6 +85,7 @@ class MetricsSnapshot:
     preempted: int = 0  # preempted sequences waiting to resume now
     blocks: BlockFigures | None = None  # the paged layout (None: padded rows)
     prefix_blocks_reused: int = 0  # pool blocks new sequences mapped by reference
+    disk: DiskTierStats | None = None  # the prompt cache's disk tier (None: none)
 
     @property
     def kv_quantized_fraction(self) -> float:
@@ -120,6 +122,7 @@ class EngineMetrics:
     preempted: int = 0
     blocks: BlockFigures | None = None
     prefix_blocks_reused: int = 0
+    disk: DiskTierStats | None = None
     # (time, prompt tokens, prompt seconds, generated tokens, decode seconds)
     _recent: deque = field(default_factory=deque)
 
@@ -146,6 +149,10 @@ class EngineMetrics:
     def set_blocks(self, figures: BlockFigures | None) -> None:
         with self._lock:
             self.blocks = figures
+
+    def set_disk(self, stats: DiskTierStats) -> None:
+        with self._lock:
+            self.disk = stats
 
     def count_prefix_blocks(self, n: int) -> None:
         """Blocks a new sequence mapped by reference from the prompt cache."""
@@ -260,6 +267,7 @@ class EngineMetrics:
                 draft_tokens_accepted=self.draft_tokens_accepted,
                 blocks=self.blocks,
                 prefix_blocks_reused=self.prefix_blocks_reused,
+                disk=self.disk,
                 preemptions=self.preemptions,
                 resumptions=self.resumptions,
                 preempted=self.preempted,

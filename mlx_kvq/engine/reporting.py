@@ -1,7 +1,7 @@
 """What the engine shows after every step: the metrics' gauges.
 
 `Reporter.publish` reads what the caches, the block pools, the memory
-accounting, the queue and the prompt cache hold now and writes it into
+accounting, the queue, the prompt cache and its disk tier hold now and writes it into
 `EngineMetrics`, which `/metrics`, `/status` and the page read.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from mlx_kvq.caches import cache_report
 from mlx_kvq.plan import KV_KINDS
 
+from .disk import DiskTier
 from .inbox import Inbox
 from .memory import KVMemory
 from .metrics import BlockFigures, BudgetFigures, EngineMetrics
@@ -31,6 +32,7 @@ class Reporter:
         prompt_cache: PromptCache,
         inbox: Inbox,
         output: OutputProcessor,
+        disk: DiskTier | None = None,
     ):
         self.metrics = metrics
         self.scheduler = scheduler
@@ -39,6 +41,7 @@ class Reporter:
         self.prompt_cache = prompt_cache
         self.inbox = inbox
         self.output = output
+        self.disk = disk
         self.kv_fraction = (0, 0)  # (quantized KV slots, KV slots) last seen
 
     def warmed_up(self, report: dict) -> None:
@@ -78,6 +81,8 @@ class Reporter:
             prompt_cache=self.prompt_cache.stats(),
             preempted=sum(s.status is RequestStatus.PREEMPTED for s in list(waiting)),
         )
+        if self.disk is not None:
+            self.metrics.set_disk(self.disk.stats())
 
 
 __all__ = ["Reporter"]

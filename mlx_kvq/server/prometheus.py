@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mlx_kvq.engine import Engine, Outcome, RankView, Rejection
+from mlx_kvq.engine.disk import Skip
 
 from .responses.store import AgentCounters
 
@@ -102,6 +103,7 @@ class EngineCollector(Collector):
         yield rejected
         yield from _budget_families(s.budget)
         yield from _block_families(s)
+        yield from _disk_families(s.disk)
         yield _counter(
             "preemptions", "Sequences taken out of the batch because KV memory ran out",
             s.preemptions,
@@ -148,6 +150,59 @@ def _block_families(s):
         "KV blocks new sequences mapped by reference from the prompt cache",
         s.prefix_blocks_reused,
     )
+
+
+def _disk_families(d):
+    """The prompt cache's disk tier (none without --prompt-cache-dir)."""
+    if d is None:
+        return
+    yield _gauge(
+        "prompt_cache_disk_bytes", "Bytes of records in --prompt-cache-dir (every model's)",
+        d.nbytes,
+    )  # fmt: skip
+    yield _gauge("prompt_cache_disk_max_bytes", "Byte cap of --prompt-cache-dir", d.max_bytes)
+    yield _gauge("prompt_cache_disk_files", "Record files in --prompt-cache-dir", d.files)
+    yield _gauge(
+        "prompt_cache_disk_entries",
+        "Prompt-cache entries on disk for this model and KV setting",
+        d.entries,
+    )
+    yield _gauge("prompt_cache_disk_chunks", "Prefix chunk files for this model and KV setting",
+                 d.chunks)  # fmt: skip
+    yield _gauge(
+        "prompt_cache_disk_queued_bytes", "Bytes waiting in the disk writer's queue",
+        d.queued_bytes,
+    )  # fmt: skip
+    yield _counter(
+        "prompt_cache_disk_hits", "Sequences whose prefix was read from disk instead of computed",
+        d.hits,
+    )  # fmt: skip
+    yield _counter(
+        "prompt_cache_disk_misses",
+        "Sequences for which the disk held no longer prefix than memory",
+        d.misses,
+    )
+    yield _counter(
+        "prompt_cache_disk_tokens", "Prompt tokens read from disk instead of computed",
+        d.tokens_read,
+    )  # fmt: skip
+    yield _counter("prompt_cache_disk_writes", "Record files written", d.writes)
+    yield _counter(
+        "prompt_cache_disk_written_bytes", "Bytes of record files written", d.bytes_written
+    )
+    yield _counter(
+        "prompt_cache_disk_evictions", "Record files removed to stay under the cap", d.evictions
+    )
+    skips = CounterMetricFamily(
+        P + "prompt_cache_disk_skips",
+        "Files not used or not written, by reason (foreign, corrupt, missing, no_room, "
+        "queue_full, too_large, write_error, unsupported)",
+        labels=["reason"],
+    )
+    counted = dict(d.skips)
+    for reason in sorted({r.value for r in Skip} | set(counted)):
+        skips.add_metric([reason], float(counted.get(reason, 0)))
+    yield skips
 
 
 def _budget_families(b):

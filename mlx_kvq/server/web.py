@@ -164,6 +164,22 @@ def prompt_cache_status(s: MetricsSnapshot) -> dict[str, Any]:
     }
 
 
+def disk_status(s: MetricsSnapshot) -> dict[str, Any] | None:
+    """The prompt cache's disk tier (None without --prompt-cache-dir)."""
+    d = s.disk
+    if d is None:
+        return None
+    lookups = d.hits + d.misses
+    return {
+        "directory": d.directory, "bytes": d.nbytes, "max_bytes": d.max_bytes,
+        "files": d.files, "entries": d.entries, "chunks": d.chunks, "hits": d.hits,
+        "misses": d.misses, "hit_rate": d.hits / lookups if lookups else None,
+        "tokens_read": d.tokens_read, "writes": d.writes, "bytes_written": d.bytes_written,
+        "evictions": d.evictions, "queued_bytes": d.queued_bytes,
+        "foreign_bytes": d.foreign_bytes, "skips": dict(d.skips),
+    }  # fmt: skip
+
+
 def blocks_status(s: Any) -> dict[str, Any] | None:
     """The paged layout's block pools (None with padded rows): blocks of all
     paged layers together, and the prefix blocks new sequences mapped by
@@ -200,6 +216,7 @@ def status_body(
         "budget": budget() if budget is not None else None,
         "blocks": blocks_status(s),
         "prompt_cache": prompt_cache_status(s),
+        "prompt_cache_disk": disk_status(s),
         "queue_depth": s.queue_depth,
         "batch_size": s.batch_size,
         "max_batch_size": s.max_batch_size,

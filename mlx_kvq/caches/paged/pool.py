@@ -125,6 +125,18 @@ class BlockPool:
             self.allocator.add(add)
         return self.allocator.take(account)
 
+    def make_free(self, n: int, k: Store, v: Store) -> None:
+        """At least `n` free blocks, the storage grown at once (within what its
+        `Pages` allows): for writing many blocks together, as reading a cached
+        prefix back does, instead of growing block by block."""
+        short = n - self.allocator.free
+        if short <= 0:
+            return
+        if self.pages is not None:
+            short = self.pages.growth(short, self.storage.bytes_per_block(k, v))
+        self.storage.grow(short, k, v)
+        self.allocator.add(short)
+
     def incref(self, blocks: list[int], account: Account = None) -> None:
         self.allocator.incref(blocks, account)
 

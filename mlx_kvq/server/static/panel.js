@@ -169,6 +169,16 @@ function renderEngine(s) {
   $("stat-hit-rate").textContent = pc.hit_rate === null || pc.hit_rate === undefined
     ? "-" : `${(100 * pc.hit_rate).toFixed(0)}% (${pc.hits} of ${pc.hits + pc.misses}), ` +
       `${pc.cached_tokens} tokens reused`;
+  const disk = s.prompt_cache_disk;
+  $("stat-disk-label").hidden = $("stat-disk").hidden = !disk;
+  if (disk) {
+    const skipped = Object.values(disk.skips || {}).reduce((a, b) => a + b, 0);
+    $("stat-disk").textContent =
+      `${formatBytes(disk.bytes)} of ${formatBytes(disk.max_bytes)}, ${disk.entries} entries; ` +
+      `${disk.hits} hits, ${disk.misses} misses, ${disk.tokens_read} tokens read; ` +
+      `${disk.writes} files written, ${skipped} skipped`;
+    $("stat-disk").title = `${disk.directory}: skipped ${JSON.stringify(disk.skips || {})}`;
+  }
   const m = s.memory || {};
   $("stat-memory").textContent = `${formatBytes(m.active)} (peak ${formatBytes(m.peak)})`;
   $("stat-blas").textContent = s.blas ? (s.blas.name || JSON.stringify(s.blas)) : "unknown";
