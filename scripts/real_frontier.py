@@ -6,7 +6,7 @@ Each file is one eval run (one model, one context, several `--setting`s, the
 GPL-3 and the Python stdlib code text). One row per setting and text: bits
 per element held at `--held-context` tokens (8,192: every overhead counted),
 top-1 agreement and mean KL against the unquantized cache, each with its
-standard error across windows, and whether it meets the goals of issue 32
+standard error across windows, and whether it meets the real-model goals of docs/quality.md
 (first: top-1 >= 97% and KL <= 5e-3; goal: 98% and 1.5e-3; both within 4.5
 bits per element).
 """
