@@ -33,9 +33,9 @@ import mlx_lm.models.base as mlx_base
 import numpy as np
 
 from .blas import fast_float32_products
-from .kernels import native_status, packed_scores, packed_weighted
+from .kernels import channel_scores, native_status, packed_scores, packed_weighted
 from .kernels import paged_attention as native_paged_attention
-from .quant import PagedKV, QuantizedKV, rotate
+from .quant import PagedKV, QuantizedKV, SplitKV, SplitRows, rotate
 
 # mlx-lm's own function, which its own QuantizedKVCache keeps using
 MLX_LM_ATTENTION = mlx_base.scaled_dot_product_attention
@@ -149,7 +149,11 @@ def _dense_dtype(dtype: mx.Dtype) -> mx.Dtype | None:
 
 
 def _scores(q: mx.array, k, dtype: mx.Dtype, dense: mx.Dtype | None = None) -> mx.array:
+    if isinstance(k, SplitKV):
+        return _split_scores(q, k, dtype, dense)
     if isinstance(k, QuantizedKV):
+        if k.per_channel:
+            return _channel_scores(q, k, dtype, dense)
         if dense is not None:
             return _dense_scores(q, k, dtype, dense, _key_block(q.shape[-2], *k.shape[-2:]))
         if _native():
@@ -159,6 +163,60 @@ def _scores(q: mx.array, k, dtype: mx.Dtype, dense: mx.Dtype | None = None) -> m
             transpose=True, group_size=k.group_size, bits=k.bits,
         )  # fmt: skip
     return q @ k.astype(dtype).swapaxes(-1, -2)
+
+
+def _split_scores(q: mx.array, k: SplitKV, dtype: mx.Dtype, dense: mx.Dtype | None) -> mx.array:
+    """Scores over the split layout's parts, in token order: the quantized
+    body in its own basis (a rotated body sees rotated queries)."""
+    parts = []
+    for part in k.parts():
+        if isinstance(part, QuantizedKV):
+            parts.append(_scores(rotate(q) if part.rotated else q, part, dtype, dense))
+        else:
+            parts.append(q @ part.astype(dtype).swapaxes(-1, -2))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
+def _channel_scores(q: mx.array, k: QuantizedKV, dtype: mx.Dtype, dense: mx.Dtype | None):
+    """q @ K^T for per-channel keys (channel-major (B, H, D, N), packed along
+    the tokens): dense blocks of whole groups for many rows on the CPU, the
+    native kernel for few, else `quantized_matmul` (q times the (D, N) matrix)."""
+    if dense is not None:
+        G, N = k.group_size, k.shape[-2]
+        block = -(-_key_block(q.shape[-2], N, k.shape[-1]) // G) * G
+        qd = q.astype(dense)
+        parts = []
+        for start in range(0, N, block):
+            blk = k if block >= N else k.tokens(start, min(N, start + block))
+            kd = mx.dequantize(
+                blk.data, blk.scales.astype(dense), blk.biases.astype(dense),
+                group_size=G, bits=k.bits,
+            )  # fmt: skip
+            parts.append(qd @ kd)
+        scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+        return scores.astype(dtype)
+    if _native():
+        return channel_scores(q, k).astype(dtype)
+    return mx.quantized_matmul(
+        q, k.data, k.scales.astype(dtype), k.biases.astype(dtype),
+        transpose=False, group_size=k.group_size, bits=k.bits,
+    )  # fmt: skip
+
+
+def _split_weighted(p: mx.array, v: SplitKV, dtype: mx.Dtype, dense: mx.Dtype | None) -> mx.array:
+    """p @ V over the split layout's parts (a rotated body's share rotated back)."""
+    out, start = None, 0
+    for part in v.parts():
+        n = part.shape[2]
+        pp = p[..., start : start + n]
+        if isinstance(part, QuantizedKV):
+            o = _weighted(pp, part, dtype, dense)
+            o = rotate(o) if part.rotated else o
+        else:
+            o = pp @ part.astype(dtype)
+        out = o if out is None else out + o
+        start += n
+    return out
 
 
 def _dequantized_blocks(
@@ -199,6 +257,8 @@ def _dense_weighted(
 
 
 def _weighted(p: mx.array, v, dtype: mx.Dtype, dense: mx.Dtype | None = None) -> mx.array:
+    if isinstance(v, SplitKV):
+        return _split_weighted(p, v, dtype, dense)
     if isinstance(v, QuantizedKV):
         if dense is not None:
             return _dense_weighted(p, v, dtype, dense, _key_block(p.shape[-2], *v.shape[-2:]))
@@ -267,7 +327,7 @@ def _attend_rows(q, k, v, mask, sinks, dtype, shape, dense=None):
 def _pick(x, b: int, h: int):
     """Sequence `b`, KV head `h` of an array (or packed K/V) laid out
     (B, n_kv, ...), where an axis of size one broadcasts."""
-    if isinstance(x, QuantizedKV):
+    if isinstance(x, (QuantizedKV, SplitKV)):
         return x.map(lambda a: _pick(a, b, h))
     bs = slice(b, b + 1) if x.shape[0] > 1 else slice(None)
     hs = slice(h, h + 1) if x.shape[1] > 1 else slice(None)
@@ -304,7 +364,9 @@ def quantized_attention(
     mask: mx.array | str | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """Attention where keys and/or values are packed.
+    """Attention where keys and/or values are packed (`QuantizedKV`), or in
+    the split layout (`SplitKV`: unquantized sinks and tail around a
+    quantized body, per-channel keys included).
 
     Handles grouped-query heads, every mlx-lm mask form (None, "causal",
     boolean, additive, 1-D windowed, batched, per head), sinks, rotated K/V
@@ -468,6 +530,39 @@ def _paged_raw_grouped(
     return out[mx.array(np.argsort(order).astype(np.int32))]
 
 
+def split_rows_attention(
+    queries: mx.array,
+    keys: SplitRows,
+    values: SplitRows,
+    scale: float,
+    mask=None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Attention over a batch of split-layout rows (`SplitRows`), each over
+    its own tokens with a mask from positions (causal, the window when set,
+    the head always visible); only None and "causal" masks are accepted, as
+    for paged K/V."""
+    if mask is not None and not isinstance(mask, str):
+        raise ValueError(
+            "split-layout batches take masks from positions; this model passes a mask array "
+            "(serve it with --kv-residual 0 --kv-sinks 0 --kv-key-scales token)"
+        )
+    B, _, L, _ = queries.shape
+    out = []
+    for b in range(B):
+        head, first, end = keys.heads[b], keys.firsts[b], keys.ends[b]
+        m = None
+        if L > 1 or (keys.window is not None and first < end - keys.window):
+            pos = keys.positions(b)[None]
+            q = mx.arange(end - L, end)[:, None]
+            m = pos <= q
+            if keys.window is not None:
+                m = m & ((pos > q - keys.window) | (mx.arange(pos.size)[None] < head))
+        out.append(quantized_attention(queries[b : b + 1], keys.rows[b], values.rows[b],
+                                       scale, m, sinks))  # fmt: skip
+    return out[0] if B == 1 else mx.concatenate(out, axis=0)
+
+
 # -- dispatch and its verification ------------------------------------------
 _counter: Counter | None = None
 
@@ -483,7 +578,13 @@ def scaled_dot_product_attention(
 ) -> mx.array:
     """Drop-in for `mlx_lm.models.base.scaled_dot_product_attention`."""
     mlx_lm_packed = isinstance(keys, tuple | list)
-    packed = mlx_lm_packed or isinstance(keys, QuantizedKV) or isinstance(values, QuantizedKV)
+    ours = (QuantizedKV, SplitKV)
+    packed = mlx_lm_packed or isinstance(keys, ours) or isinstance(values, ours)
+    if isinstance(keys, SplitRows):
+        if _counter is not None:
+            _counter["quantized"] += 1
+            _counter[("cache", id(cache), True)] += 1
+        return split_rows_attention(queries, keys, values, scale, mask, sinks)
     if isinstance(keys, PagedKV):
         if _counter is not None:
             _counter["paged"] += 1

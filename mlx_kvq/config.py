@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 ROTATIONS = ("none", "hadamard")
+KEY_SCALES = ("token", "channel")  # what gets its own scale: each token's key, or each channel
 SCALE_BYTES = 2  # scales and biases are stored as float16/bfloat16
 PAGED_BLOCK_SIZE = 32  # tokens per block of the paged KV layout (`--kv-block-size`)
 
@@ -29,11 +30,19 @@ class QuantSpec:
     """How one tensor (keys or values) of a cache is stored.
 
     `bits=None` means full precision (the tensor's own dtype).
+    `per_channel` (keys): each channel gets its own scale and bias per group
+    of `group_size` tokens (KIVI) instead of each token per group of
+    `group_size` channels. `sinks` and `residual`: the first `sinks` tokens
+    and the last `residual` stay unquantized (the split layout, `mlx_kvq/split.py`;
+    a cache's keys and values agree on them).
     """
 
     bits: int | None = None
     group_size: int = 64
     rotation: str = "none"
+    per_channel: bool = False
+    sinks: int = 0
+    residual: int = 0
 
     def __post_init__(self) -> None:
         if self.bits is not None and self.bits not in SUPPORTED_BITS:
@@ -47,10 +56,25 @@ class QuantSpec:
             )
         if self.rotation not in ROTATIONS:
             raise ValueError(f"kv rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if self.sinks < 0 or self.residual < 0:
+            raise ValueError(
+                f"kv sinks and residual must be >= 0, got {self.sinks} and {self.residual}"
+            )
 
     @property
     def quantized(self) -> bool:
         return self.bits is not None
+
+    @property
+    def split(self) -> bool:
+        """Stored in the split layout: unquantized sinks or residual, or per-channel keys."""
+        return self.quantized and (self.per_channel or self.sinks > 0 or self.residual > 0)
+
+    @property
+    def flush_unit(self) -> int:
+        """Tokens quantized at once in the split layout: a whole group for
+        per-channel scales, one token otherwise."""
+        return self.group_size if self.per_channel else 1
 
     def bytes_per_element(self, dtype_bytes: int = 2) -> float:
         """Bytes one stored element costs, scales and biases included."""
@@ -59,8 +83,9 @@ class QuantSpec:
         return self.bits / 8 + 2 * SCALE_BYTES / self.group_size
 
     def check_dim(self, dim: int, where: str = "") -> None:
-        """Refuse a head dimension this spec cannot pack."""
-        if self.bits is None:
+        """Refuse a head dimension this spec cannot pack (per-channel scales
+        group tokens, any head dimension packs)."""
+        if self.bits is None or self.per_channel:
             return
         at = f" at {where}" if where else ""
         if dim % self.group_size:
@@ -81,10 +106,12 @@ class QuantSpec:
             )
 
     def describe(self) -> str:
+        """`4b/g64` (groups of 64 channels per token), `4b/c128` (groups of 128
+        tokens per channel), `+rot` with rotation."""
         if self.bits is None:
             return "fp16"
         rot = "+rot" if self.rotation != "none" else ""
-        return f"{self.bits}b/g{self.group_size}{rot}"
+        return f"{self.bits}b/{'c' if self.per_channel else 'g'}{self.group_size}{rot}"
 
 
 @dataclass(frozen=True)
@@ -100,6 +127,13 @@ class KVConfig:
     widths as every other layer; 0: bounded layers unquantized.
     `quantized_start` is `--quantized-kv-start`: caches hold full precision
     until they reach that many tokens, then convert in place.
+    `key_scales` (`--kv-key-scales`): "token" (each token's key in groups of
+    `group_size` channels, as mlx-lm) or "channel" (each channel in groups of
+    `key_group_size` tokens, KIVI); `key_group_size` (default `group_size`)
+    is the keys' group size either way. `sinks` (`--kv-sinks`) and
+    `residual` (`--kv-residual`): the first `sinks` tokens (full-attention
+    layers) and the last `residual` tokens (every layer) stay unquantized,
+    held in 16 bits (`mlx_kvq/split.py`).
     """
 
     bits: int | None = None
@@ -112,8 +146,14 @@ class KVConfig:
     allow_partial: bool = False
     skip_layers: tuple[int, ...] = field(default_factory=tuple)
     window_bits: int | None = None
+    key_scales: str = "token"
+    key_group_size: int | None = None
+    residual: int = 0
+    sinks: int = 0
 
     def __post_init__(self) -> None:
+        if self.key_scales not in KEY_SCALES:
+            raise ValueError(f"kv key scales must be one of {KEY_SCALES}, got {self.key_scales!r}")
         # Building the specs validates bits, group size and rotation.
         self.key_spec  # noqa: B018
         self.value_spec  # noqa: B018
@@ -129,6 +169,13 @@ class KVConfig:
                     "--kv-window-bits 0 leaves bounded layers unquantized: pass "
                     "--allow-partial-kv together with it"
                 )
+        if (self.residual or self.sinks or self.key_scales != "token") and not self.enabled:
+            raise ValueError(
+                "--kv-residual, --kv-sinks and --kv-key-scales shape a quantized cache: "
+                "give --kv-bits (or --kv-key-bits / --kv-value-bits) too"
+            )
+        if self.key_scales == "channel" and not self.key_spec.quantized:
+            raise ValueError("--kv-key-scales channel needs quantized keys (--kv-key-bits)")
         if self.quantized_start < 0:
             raise ValueError(f"quantized kv start must be >= 0, got {self.quantized_start}")
         if self.max_kv_size is not None and self.max_kv_size < 1:
@@ -140,25 +187,37 @@ class KVConfig:
             )
         object.__setattr__(self, "skip_layers", tuple(sorted(set(self.skip_layers))))
 
+    def _spec(self, bits: int | None, group: int, per_channel: bool, sinks: int) -> QuantSpec:
+        if not bits:
+            return QuantSpec(None, group)
+        return QuantSpec(bits, group, self.rotation, per_channel, sinks, self.residual)
+
     @property
     def key_spec(self) -> QuantSpec:
         bits = self.key_bits if self.key_bits is not None else self.bits
-        return QuantSpec(bits or None, self.group_size, self.rotation if bits else "none")
+        group = self.key_group_size or self.group_size
+        return self._spec(bits, group, self.key_scales == "channel", self.sinks)
 
     @property
     def value_spec(self) -> QuantSpec:
         bits = self.value_bits if self.value_bits is not None else self.bits
-        return QuantSpec(bits or None, self.group_size, self.rotation if bits else "none")
+        return self._spec(bits, self.group_size, False, self.sinks)
 
     @property
     def enabled(self) -> bool:
         return self.key_spec.quantized or self.value_spec.quantized
 
     def specs(self, bounded: bool = False) -> tuple[QuantSpec, QuantSpec]:
-        """(key spec, value spec) of one layer: `bounded` layers (a window of
-        tokens: sliding, chunked, `--max-kv-size`) take `window_bits` when set."""
-        if not bounded or self.window_bits is None:
+        """(key spec, value spec) of one layer. `bounded` layers (a window of
+        tokens: sliding, chunked, `--max-kv-size`) keep no sinks of their own
+        (their queries do not see the first tokens; a `--max-kv-size` window
+        keeps mlx-lm's own); with `window_bits` set they take that width per
+        token, nothing kept exact (their bytes stop growing with the context)."""
+        if not bounded:
             return self.key_spec, self.value_spec
+        if self.window_bits is None:
+            k, v = self.key_spec, self.value_spec
+            return replace(k, sinks=0), replace(v, sinks=0)
         bits = self.window_bits
         spec = QuantSpec(bits or None, self.group_size, self.rotation if bits else "none")
         return spec, spec
@@ -173,6 +232,10 @@ class KVConfig:
         text = f"K {k.describe()} V {v.describe()}"
         if self.window_bits is not None:
             text += f", windows {self.specs(bounded=True)[0].describe()}"
+        if self.sinks:
+            text += f", {self.sinks} sinks"
+        if self.residual:
+            text += f", last {self.residual} exact"
         if self.quantized_start:
             text += f", from token {self.quantized_start}"
         return text
@@ -186,6 +249,8 @@ class KVConfig:
             "kv_rotation": self.rotation, "quantized_kv_start": self.quantized_start,
             "max_kv_size": self.max_kv_size, "allow_partial_kv": self.allow_partial,
             "kv_skip_layers": self.skip_layers, "kv_window_bits": self.window_bits,
+            "kv_key_scales": self.key_scales, "kv_key_group_size": self.key_group_size,
+            "kv_residual": self.residual, "kv_sinks": self.sinks,
         }  # fmt: skip
 
     @classmethod
@@ -201,6 +266,10 @@ class KVConfig:
         allow_partial_kv: bool = False,
         kv_skip_layers: tuple[int, ...] | list[int] | None = None,
         kv_window_bits: int | None = None,
+        kv_key_scales: str | None = None,
+        kv_key_group_size: int | None = None,
+        kv_residual: int | None = None,
+        kv_sinks: int | None = None,
     ) -> KVConfig:
         """Build from mlx-lm style keyword names (the CLI flag names)."""
         return cls(
@@ -214,4 +283,8 @@ class KVConfig:
             allow_partial=allow_partial_kv,
             skip_layers=tuple(kv_skip_layers or ()),
             window_bits=kv_window_bits,
+            key_scales=kv_key_scales or "token",
+            key_group_size=kv_key_group_size,
+            residual=kv_residual or 0,
+            sinks=kv_sinks or 0,
         )

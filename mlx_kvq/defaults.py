@@ -68,12 +68,23 @@ def default_kv_config(bounded: bool) -> KVConfig:
     return DEFAULT_KV_CONFIG if bounded else DEFAULT_FULL_KV_CONFIG
 
 
+def default_name(bounded: bool) -> str:
+    """Which default a model gets, in words (as `mlx-kvq plan` reports it)."""
+    if bounded:
+        return "DEFAULT_KV_CONFIG, the default for models with a bounded layer"
+    return "DEFAULT_FULL_KV_CONFIG, the default for models whose layers all hold the whole context"
+
+
 class Widths(NamedTuple):
     bits: int | None
     key_bits: int | None
     value_bits: int | None
     rotation: str
     window_bits: int | None
+    key_scales: str = "token"
+    key_group_size: int | None = None
+    residual: int = 0
+    sinks: int = 0
 
 
 def asks_for_default(bits: int | None, key_bits: int | None, value_bits: int | None) -> bool:
@@ -88,16 +99,31 @@ def resolve_widths(
     rotation: str | None,
     window_bits: int | None = None,
     bounded: bool = True,
+    key_scales: str | None = None,
+    key_group_size: int | None = None,
+    residual: int | None = None,
+    sinks: int | None = None,
 ) -> Widths:
-    """The command line's bit widths and rotation, with the default setting
-    of the model's layout (`bounded`: some layer keeps a window) filled in
-    when none of the three bits flags was given (0 is passed on: callers
-    read it as "unquantized"). `--kv-window-bits` alone keeps the default
-    widths and replaces the default's window width."""
+    """The command line's bit widths, rotation and layout (key scales, key
+    group size, residual, sinks), with the default setting of the model's
+    layout (`bounded`: some layer keeps a window) filled in when none of the
+    three bits flags was given (0 is passed on: callers read it as
+    "unquantized"). A layout flag given alone keeps the default's widths and
+    replaces that part of it. With explicit bits, what is not given means
+    what it means in mlx-lm: no rotation, per-token keys, nothing exact."""
+
+    def given(value, fallback):
+        return value if value is not None else fallback
+
     if asks_for_default(bits, key_bits, value_bits):
         d = default_kv_config(bounded)
         return Widths(
             d.bits, d.key_bits, d.value_bits, rotation or d.rotation,
-            window_bits if window_bits is not None else d.window_bits,
+            given(window_bits, d.window_bits), given(key_scales, d.key_scales),
+            given(key_group_size, d.key_group_size), given(residual, d.residual),
+            given(sinks, d.sinks),
         )  # fmt: skip
-    return Widths(bits, key_bits, value_bits, rotation or "none", window_bits)
+    return Widths(
+        bits, key_bits, value_bits, rotation or "none", window_bits, key_scales or "token",
+        key_group_size, residual or 0, sinks or 0,
+    )  # fmt: skip

@@ -1,8 +1,9 @@
 """The native CPU kernels of quantized attention, and whether they are in use.
 
 `mlx_kvq._native` (built by `pip install -e .` from `mlx_kvq/native/qattn.cpp`
-where a C++ compiler is present) adds two MLX primitives that read packed
-K/V once and multiply them with a few rows at a time: what decode attention
+where a C++ compiler is present) adds MLX primitives that read packed
+K/V once and multiply them with a few rows at a time (per-token keys and
+values; per-channel keys, `channel_scores`; block pools, `paged_attention`): what decode attention
 needs, and what MLX's CPU `quantized_matmul` does slowly (scalar code that
 re-reads the packed matrix for every row). They are used only on the CPU, only
 when the module was built against the running MLX version (MLX's C++ API has
@@ -52,11 +53,15 @@ def _self_check(module) -> str | None:
         dense = mx.dequantize(w, s, b, group_size=32, bits=bits)
         q = mx.random.normal((1, 2, 3, 64), key=kq)
         p = mx.random.uniform(shape=(1, 2, 3, 33), key=kp)
+        # per-channel keys: channel-major (B, H, D, N) packed along the tokens
+        wc, sc, bc = mx.quantize(x.swapaxes(-1, -2)[..., :32], group_size=32, bits=bits)
+        channel = mx.dequantize(wc, sc, bc, group_size=32, bits=bits)
         got = (
             module.packed_scores(q, w, s, b, 32, bits),
             module.packed_weighted(p, w, s, b, 32, bits),
+            module.channel_scores(q, wc, sc, bc, 32, bits),
         )
-        want = (q @ dense.swapaxes(-1, -2), p @ dense)
+        want = (q @ dense.swapaxes(-1, -2), p @ dense, q @ channel)
         for g, r in zip(got, want, strict=True):
             if g.shape != r.shape or not mx.allclose(g, r, atol=1e-4, rtol=1e-4).item():
                 return f"self-check failed at {bits} bits"
@@ -88,7 +93,7 @@ def native_status() -> NativeStatus:
     try:
         with mx.stream(mx.cpu):
             problem = _self_check(module)
-    except (TypeError, ValueError, RuntimeError) as e:
+    except (TypeError, ValueError, RuntimeError, AttributeError) as e:
         # e.g. a nanobind release other than mlx.core's: MLX arrays are not
         # recognised as arguments (TypeError)
         problem = f"self-check raised {type(e).__name__}: {e}"
@@ -104,6 +109,12 @@ def packed_scores(q: mx.array, k: QuantizedKV) -> mx.array:
     """float32 `q @ K^T` (B, H, M, N) from packed K (B, H, N, D), reading each
     packed row once for all M rows; K may be a strided view of a cache buffer."""
     return _module.packed_scores(q, k.data, k.scales, k.biases, k.group_size, k.bits)
+
+
+def channel_scores(q: mx.array, k: QuantizedKV) -> mx.array:
+    """float32 `q @ K^T` (B, H, M, N) from per-channel packed K (channel-major,
+    (B, H, D, N * bits / 32), a scale per channel per group of tokens)."""
+    return _module.channel_scores(q, k.data, k.scales, k.biases, k.group_size, k.bits)
 
 
 def packed_weighted(p: mx.array, v: QuantizedKV) -> mx.array:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,6 +31,7 @@ from .caches import (
     PACKED,
     KVQDeepseekV41Cache,
     KVQIndexerCache,
+    KVQSplitWindowCache,
     KVQWindowCache,
     is_twin,
     lookup,
@@ -114,9 +115,35 @@ class LayerPlan:
         return self.bytes_per_row(quantized) / self.ratio
 
     def rows_held(self, context: int) -> int:
-        """Rows stored after `context` tokens."""
-        tokens = context if self.window is None else min(context, self.window)
+        """Rows stored after `context` tokens (at most: a split-layout window
+        also holds the rest of its oldest group)."""
+        tokens = context if self.window is None else min(context, self.window + self.extra_rows)
         return tokens // self.ratio
+
+    @property
+    def extra_rows(self) -> int:
+        """Tokens a split layer may hold beyond its window: the rest of a group."""
+        k, v = self.key_spec, self.value_spec
+        return max(k.flush_unit, v.flush_unit) - 1 if k.split or v.split else 0
+
+    def exact_rows(self, context: int) -> int:
+        """Unquantized rows a split layer holds after `context` tokens, at most:
+        its sinks, its residual and a group not yet complete."""
+        k, v = self.key_spec, self.value_spec
+        if not (self.quantized and (k.split or v.split)):
+            return 0
+        held = self.rows_held(context)
+        return min(held, k.sinks + max(k.residual, v.residual) + self.extra_rows)
+
+    def bytes_at(self, context: int, quantized: bool = True) -> float:
+        """Bytes held after `context` tokens (unquantized sinks and tail in 16 bits)."""
+        rows = self.rows_held(context)
+        if not quantized:
+            return self.bytes_per_row(False) * rows
+        exact = self.exact_rows(context)
+        return self.bytes_per_row() * (rows - exact) + exact * self.kv_heads * 2 * (
+            self.key_dim + self.value_dim
+        )
 
     def label(self) -> str:
         if self.kind == "state" and self.ratio > 1:
@@ -132,6 +159,10 @@ class LayerPlan:
             return f"{text} UNQUANTIZED (skipped on request)"
         text += f" K {self.key_spec.describe()}"
         text += f" V {self.value_spec.describe()}" if self.value_dim else " (keys only)"
+        exact = [f"{n} {what}" for n, what in ((self.key_spec.sinks, "sinks"),
+                 (self.key_spec.residual, "recent")) if n]  # fmt: skip
+        if exact:
+            text += f", {' + '.join(exact)} exact"
         if self.hand_out == DEQUANTIZED:
             text += " [dequantized hand-out]"
         return text
@@ -206,9 +237,8 @@ class KVPlan:
             entry = by_kind.setdefault(p.kind, {"layers": 0, "bytes": 0, "fp16_bytes": 0})
             entry["layers"] += 1
             if p.is_kv:
-                n = p.rows_held(context) * batch
-                entry["bytes"] += round(p.bytes_per_row() * n)
-                entry["fp16_bytes"] += round(p.bytes_per_row(quantized=False) * n)
+                entry["bytes"] += round(p.bytes_at(context) * batch)
+                entry["fp16_bytes"] += round(p.bytes_at(context, quantized=False) * batch)
             else:
                 entry["bytes"] += p.state_bytes * batch
                 entry["fp16_bytes"] += p.state_bytes * batch
@@ -408,7 +438,8 @@ def _twin(plan: KVPlan, p: LayerPlan, c, start: int):
     if p.kind == "indexer":
         return KVQIndexerCache.from_cache(c, p.key_spec, p.value_spec, start, p.hand_out)
     if p.kind == "full" and p.window is not None and c.empty():
-        return KVQWindowCache(
+        window = KVQSplitWindowCache if p.key_spec.split or p.value_spec.split else KVQWindowCache
+        return window(
             p.window, p.key_spec, p.value_spec, keep=0 if plan.batch else 4,
             start=start, hand_out=p.hand_out,
         )  # fmt: skip
@@ -519,6 +550,12 @@ def plan_kv(
             notes.append(f"{where}: sink tokens (keep={c.keep}) are not kept in batched windows")
         skipped = slot in cfg.skip_layers
         key_spec, value_spec = cfg.specs(bounded=window is not None)
+        if (key_spec.split or value_spec.split) and not _has_split(kind, name, field):
+            key_spec, value_spec = per_token(key_spec), per_token(value_spec)
+            notes.append(
+                f"{where} ({name}): no split layout is declared for this kind, so its keys "
+                "are quantized per token with no token kept exact"
+            )
         layers.append(
             LayerPlan(
                 slot,
@@ -593,6 +630,17 @@ def plan_kv(
     if cfg.enabled:
         _check_hand_out(model, plan)
     return plan
+
+
+def _has_split(kind, name: str, field: str | None) -> bool:
+    """Whether a cache of this declared kind has a split-layout twin
+    (indexer keys and deepseek_v41's layer fields have none)."""
+    return kind.split is not None and name != "indexer" and field is None
+
+
+def per_token(spec: QuantSpec) -> QuantSpec:
+    """`spec` without the split layout: per-token scales, no token kept exact."""
+    return replace(spec, per_channel=False, sinks=0, residual=0)
 
 
 def _replace(p: LayerPlan, **changes) -> LayerPlan:

@@ -46,7 +46,14 @@ def rotate(x: mx.array) -> mx.array:
 
 @dataclass(frozen=True)
 class QuantizedKV:
-    """Packed keys or values as attention receives them."""
+    """Packed keys or values as attention receives them.
+
+    Per token (the default): `data` is (B, H, N, D * bits / 32), a scale and
+    a bias per `group_size` channels of each token. `per_channel` (keys of
+    the split layout): channel-major, `data` (B, H, D, N * bits / 32) packed
+    along the tokens, a scale and a bias per channel for each `group_size`
+    tokens (KIVI); `shape` is still (B, H, N, D).
+    """
 
     data: mx.array
     scales: mx.array
@@ -54,13 +61,19 @@ class QuantizedKV:
     bits: int
     group_size: int
     rotated: bool = False
+    per_channel: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
         *lead, packed = self.data.shape
+        if self.per_channel:
+            *lead, dim = lead
+            return (*lead, packed * 32 // self.bits, dim)
         return (*lead, packed * 32 // self.bits)
 
     def map(self, fn: Callable[[mx.array], mx.array]) -> QuantizedKV:
+        """`fn` applied to every part (along leading axes only: per-channel
+        data keeps the tokens on its last axis)."""
         return QuantizedKV(
             fn(self.data),
             fn(self.scales),
@@ -68,11 +81,28 @@ class QuantizedKV:
             self.bits,
             self.group_size,
             self.rotated,
+            self.per_channel,
         )
 
+    def tokens(self, start: int, stop: int) -> QuantizedKV:
+        """Tokens [start, stop) (whole groups, for per-channel data)."""
+        if not self.per_channel:
+            return self.map(lambda a: a[..., start:stop, :])
+        g = self.group_size
+        if start % g or (stop % g and stop != self.shape[-2]):
+            raise ValueError(f"per-channel tokens [{start}, {stop}) cut a group of {g}")
+        w = self.bits
+        return QuantizedKV(
+            self.data[..., start * w // 32 : stop * w // 32],
+            self.scales[..., start // g : -(-stop // g)],
+            self.biases[..., start // g : -(-stop // g)],
+            self.bits, g, self.rotated, True,
+        )  # fmt: skip
+
     def dequantize(self, dtype: mx.Dtype = mx.float16) -> mx.array:
-        """Full-precision copy in the original (unrotated) basis, computed
-        in `dtype` (float32 output is not rounded through 16 bits)."""
+        """Full-precision copy in the original (unrotated) basis, token-major
+        (B, H, N, D), computed in `dtype` (float32 output is not rounded
+        through 16 bits)."""
         x = mx.dequantize(
             self.data,
             self.scales.astype(dtype),
@@ -80,7 +110,79 @@ class QuantizedKV:
             group_size=self.group_size,
             bits=self.bits,
         )
+        if self.per_channel:
+            x = x.swapaxes(-1, -2)
         return rotate(x) if self.rotated else x
+
+
+@dataclass(frozen=True)
+class SplitKV:
+    """Keys or values of a split-layout cache (`mlx_kvq/split.py`) as
+    attention receives them, in token order: `head` (the first tokens,
+    unquantized), `body` (quantized), `tail` (the newest, unquantized).
+    Parts may be None; raw parts are (B, H, n, D) arrays."""
+
+    head: mx.array | None
+    body: QuantizedKV | mx.array | None
+    tail: mx.array | None
+
+    def parts(self) -> list:
+        """The parts present, in token order."""
+        return [p for p in (self.head, self.body, self.tail) if p is not None]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        parts = self.parts()
+        B, H, _, D = parts[0].shape
+        return (B, H, sum(p.shape[2] for p in parts), D)
+
+    @property
+    def lengths(self) -> tuple[int, int, int]:
+        return tuple(0 if p is None else p.shape[2] for p in (self.head, self.body, self.tail))
+
+    def map(self, fn: Callable[[mx.array], mx.array]) -> SplitKV:
+        """`fn` (over leading axes) applied to every part."""
+
+        def one(p):
+            if p is None:
+                return None
+            return p.map(fn) if isinstance(p, QuantizedKV) else fn(p)
+
+        return SplitKV(one(self.head), one(self.body), one(self.tail))
+
+    def dequantize(self, dtype: mx.Dtype) -> mx.array:
+        """All tokens as one (B, H, N, D) array of `dtype`."""
+        parts = [
+            p.dequantize(dtype) if isinstance(p, QuantizedKV) else p.astype(dtype)
+            for p in self.parts()
+        ]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+@dataclass(frozen=True, eq=False)
+class SplitRows:
+    """A batch of split-layout rows as attention receives them: row `b`
+    (`rows[b]`, batch axis of size 1) holds its first `heads[b]` positions,
+    then the run `[firsts[b], ends[b])`. Its queries are the last positions
+    before `ends[b]`; they see the keys at or before their own position, the
+    head always and the rest within `window` positions when a window is set
+    (the mask is derived from positions, as for `PagedKV`)."""
+
+    rows: tuple[SplitKV, ...]
+    heads: tuple[int, ...]
+    firsts: tuple[int, ...]
+    ends: tuple[int, ...]
+    window: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Logical (rows, heads, longest row, dim); nothing has this shape in memory."""
+        _, H, _, D = self.rows[0].shape
+        return (len(self.rows), H, max(r.shape[2] for r in self.rows), D)
+
+    def positions(self, b: int) -> mx.array:
+        """The positions row `b`'s keys hold, in order."""
+        return mx.concatenate([mx.arange(self.heads[b]), mx.arange(self.firsts[b], self.ends[b])])
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,15 +278,16 @@ class Store:
 
     # -- construction -------------------------------------------------------
     @classmethod
-    def encode(cls, x: mx.array, spec: QuantSpec) -> Store:
+    def encode(cls, x: mx.array, spec: QuantSpec, scales: mx.Dtype | None = None) -> Store:
         """Store `x` (B, H, N, D) under `spec` (raw when `spec.bits` is None,
-        or when there is nothing to pack: zero-width tensors)."""
+        or when there is nothing to pack: zero-width tensors), scales and
+        biases in `scales` (default: `scale_dtype(x.dtype)`)."""
         if not spec.quantized or x.shape[-1] == 0:
             return cls((x,), QuantSpec(None, spec.group_size))
+        sd = scales or scale_dtype(x.dtype)
         if spec.rotation == "hadamard":
             x = rotate(x)
         w, s, b = mx.quantize(x, group_size=spec.group_size, bits=spec.bits)
-        sd = scale_dtype(x.dtype)
         return cls((w, s.astype(sd), b.astype(sd)), spec)
 
     def zeros(self, length: int, batch: int | None = None) -> Store:

@@ -28,7 +28,14 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 
-from .caches import KVQChunkedCache, KVQFullCache, KVQWindowCache
+from .caches import (
+    KVQChunkedCache,
+    KVQFullCache,
+    KVQSplitCache,
+    KVQSplitChunkedCache,
+    KVQSplitWindowCache,
+    KVQWindowCache,
+)
 from .config import UnsupportedKVConfig
 
 DEFAULT_DRAFT_TOKENS = 3  # mlx-lm's --num-draft-tokens default
@@ -45,6 +52,9 @@ class Rewind(str, Enum):
 
 REWIND: dict[type, tuple[Rewind, str]] = {
     KVQFullCache: (Rewind.EXACT, "full attention"),
+    KVQSplitCache: (Rewind.EXACT, "full attention (split layout)"),
+    KVQSplitWindowCache: (Rewind.RING, "sliding window (split layout)"),
+    KVQSplitChunkedCache: (Rewind.NONE, "chunked attention is not declared rewindable"),
     mlx_cache.KVCache: (Rewind.EXACT, "full attention"),
     KVQWindowCache: (Rewind.RING, "sliding window"),
     mlx_cache.RotatingKVCache: (

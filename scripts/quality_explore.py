@@ -152,6 +152,70 @@ SCHEMES: dict[str, tuple[str, dict]] = {
     ),
 }
 
+# The real models (SmolLM2-135M, Gemma 3 270M): each lever on its own, keys
+# first (values exact), then keys and values together. `S`: the first S tokens
+# exact (attention sinks); `R`: the last R exact (residual); `x16`: the exact
+# parts held in 16 bits (float16), as a real layout holds them; `prerope`: keys
+# quantized before RoPE (KVQuant); `kout`: that many key channels per head
+# exact, the largest of each group of tokens (outliers kept apart).
+_K = {"vb": None}
+REAL_SCHEMES: dict[str, tuple[str, dict]] = {
+    "K8, values exact": ("real keys", _s(8, None)),
+    "K4, values exact": ("real keys", _s(4, None)),
+    "K4 + rot, values exact": ("real keys", _s(4, None, krot=True)),
+    "K4, 4 sinks exact, values exact": ("real keys", _s(4, None, S=4)),
+    "K4, last 128 exact, values exact": ("real keys", _s(4, None, R=128)),
+    "K4 per-channel G32, values exact": ("real keys", _s(4, None, kg=32, kmode="channel")),
+    "K4 per-channel G128, values exact": ("real keys", _s(4, None, kg=128, kmode="channel")),
+    "K4 per-channel G128 + rot, values exact": (
+        "real keys", _s(4, None, kg=128, kmode="channel", krot=True)),
+    "K4 per-channel G128, 4 sinks, values exact": (
+        "real keys", _s(4, None, kg=128, kmode="channel", S=4)),
+    "K4 per-channel G128 pre-RoPE, values exact": (
+        "real keys", _s(4, None, kg=128, kmode="channel", prerope=True)),
+    "K4 4 outlier channels exact, values exact": ("real keys", _s(4, None, kout=4)),
+    "K3 per-channel G128, 4 sinks, values exact": (
+        "real keys", _s(3, None, kg=128, kmode="channel", S=4)),
+    "K2 per-channel G128, 4 sinks, values exact": (
+        "real keys", _s(2, None, kg=128, kmode="channel", S=4)),
+    "V4, keys exact": ("real values", _s(None, 4)),
+    "V3, keys exact": ("real values", _s(None, 3)),
+    "V2, keys exact": ("real values", _s(None, 2)),
+    "V4 + rot, keys exact": ("real values 2", _s(None, 4, vrot=True)),
+    "V4 g32, keys exact": ("real values 2", _s(None, 4, vg=32)),
+    "V4, 4 sinks, keys exact": ("real values 2", _s(None, 4, S=4)),
+    "V4, last 128 exact, keys exact": ("real values 2", _s(None, 4, R=128)),
+    "V5, keys exact": ("real values 2", _s(None, 5)),
+    "V4 + rot, 4 sinks, last 64, keys exact": ("real values 2", _s(None, 4, vrot=True, S=4, R=64)),
+    "K4 per-channel G32 + rot, 4 sinks, last 64, values exact": (
+        "real keys 2", _s(4, None, kg=32, kmode="channel", krot=True, S=4, R=64)),
+    "K4 per-channel G128, 4 sinks, last 64, values exact": (
+        "real keys 2", _s(4, None, kg=128, kmode="channel", S=4, R=64)),
+    "K4 ch G128 / V4, 4 sinks, 16-bit exact": (
+        "real", _s(4, 4, kg=128, kmode="channel", S=4, x16=True)),
+    "K4 ch G128 / V4, 4 sinks, last 64, 16-bit exact": (
+        "real", _s(4, 4, kg=128, kmode="channel", S=4, R=64, x16=True)),
+    "K4 ch G128 / V3, 4 sinks, last 128, 16-bit exact": (
+        "real", _s(4, 3, kg=128, kmode="channel", S=4, R=128, x16=True)),
+    "K3 ch G128 / V3, 4 sinks, last 128, 16-bit exact": (
+        "real", _s(3, 3, kg=128, kmode="channel", S=4, R=128, x16=True)),
+    # Gemma 3 (15 sliding layers of 512, 3 full; head_dim 256): per layer kind
+    "gemma: windows 8-bit, full K4 ch G128 / V4 g128, 4 sinks, last 64, 16-bit exact": (
+        "gemma", {"sliding": _s(8, 8, kg=128, vg=128),
+                  "full": _s(4, 4, kg=128, vg=128, kmode="channel", S=4, R=64, x16=True)}),
+    "gemma: windows 4-bit g128, full K4 ch G128 / V4 g128, 4 sinks, last 64, 16-bit exact": (
+        "gemma", {"sliding": _s(4, 4, kg=128, vg=128),
+                  "full": _s(4, 4, kg=128, vg=128, kmode="channel", S=4, R=64, x16=True)}),
+    "gemma: windows K4 ch G32 / V4 g128, 16-bit exact, full K4 ch G128 / V4 g128, 4 sinks, last 64": (
+        "gemma", {"sliding": _s(4, 4, kg=32, vg=128, kmode="channel", x16=True),
+                  "full": _s(4, 4, kg=128, vg=128, kmode="channel", S=4, R=64, x16=True)}),
+    "gemma: windows 8-bit, full 4-bit g128 + rot": (
+        "gemma", {"sliding": _s(8, 8, kg=128, vg=128),
+                  "full": _s(4, 4, kg=128, vg=128, krot=True, vrot=True)}),
+    "gemma: windows 4-bit g128 + rot, full exact": (
+        "gemma", {"sliding": _s(4, 4, kg=128, vg=128, krot=True, vrot=True), "full": FP}),
+}  # fmt: skip
+
 
 # -- fake quantization ---------------------------------------------------------------
 def rot(x: mx.array) -> mx.array:
@@ -190,33 +254,82 @@ def per_channel(x: mx.array, bits: int | None, g: int, rotated: bool) -> mx.arra
     return rot(y) if rotated else y
 
 
+def with_outliers_exact(quant, x: mx.array, n: int) -> mx.array:
+    """`quant(x)` with the `n` channels of largest magnitude (per batch row
+    and head, over the tokens of `x`) kept exact."""
+    top = mx.argsort(-mx.abs(x).max(axis=2), axis=-1)[..., :n]  # (B, H, n)
+    keep = mx.zeros(x.shape[:2] + (x.shape[-1],), mx.bool_)
+    keep = mx.put_along_axis(keep, top, mx.array(True), axis=-1)[:, :, None, :]
+    return mx.where(keep, x, quant(mx.where(keep, mx.zeros_like(x), x)))
+
+
+def flip_pairs(x: mx.array, traditional: bool) -> mx.array:
+    """Negate the second coordinate of every RoPE pair: with it, rope(-p) =
+    flip(rope(p)(flip(x))), whatever the rope's frequencies and scaling."""
+    d = x.shape[-1]
+    if traditional:
+        sign = mx.where(mx.arange(d) % 2 == 1, -1.0, 1.0)
+    else:
+        sign = mx.where(mx.arange(d) >= d // 2, -1.0, 1.0)
+    return x * sign.astype(x.dtype)
+
+
 class FakeQuantCache(mlx_cache.KVCache):
     """Keeps exact K/V; hands out the scheme's fake-quantized copy.
 
     Tokens move from an exact tail to the quantized part once more than `R`
     tokens follow them, in whole groups of `G` tokens for per-channel keys
-    (one token at a time otherwise)."""
+    (one token at a time otherwise); the first `S` tokens never move."""
 
-    def __init__(self, scheme: dict):
+    def __init__(self, scheme: dict, rope=None):
         super().__init__()
         self.s = scheme
+        self.rope = rope
         self.qk = self.qv = self.rk = self.rv = None
+        self.sink_k = self.sink_v = None
+        self.moved = 0  # tokens before the tail (sinks and quantized)
+
+    def _quant_keys(self, k: mx.array, first: int) -> mx.array:
+        s = self.s
+        channel = s.get("kmode") == "channel"
+        quant = per_channel if channel else per_token
+
+        def q(x):
+            return quant(x, s["kb"], s["kg"], s.get("krot", False))
+
+        if s.get("kb") is None:
+            return k
+        if s.get("prerope") and self.rope is not None:
+            trad = getattr(self.rope, "traditional", False)
+            pre = flip_pairs(self.rope(flip_pairs(k, trad), offset=first), trad)
+            return self.rope(q(pre), offset=first)
+        if s.get("kout"):
+            return with_outliers_exact(q, k, s["kout"])
+        return q(k)
 
     def update_and_fetch(self, keys, values):
         s = self.s
         keys, values = keys.astype(mx.float32), values.astype(mx.float32)
         cat = lambda a, b: b if a is None else mx.concatenate([a, b], axis=2)  # noqa: E731
+        exact = (lambda a: a.astype(mx.float16).astype(mx.float32)) if s.get("x16") else None
         self.rk, self.rv = cat(self.rk, keys), cat(self.rv, values)
         self.offset += keys.shape[2]
+        sinks = s.get("S", 0)
+        if self.moved < sinks:
+            n = min(sinks - self.moved, self.rk.shape[2])
+            self.sink_k = cat(self.sink_k, self.rk[:, :, :n])
+            self.sink_v = cat(self.sink_v, self.rv[:, :, :n])
+            self.rk, self.rv = self.rk[:, :, n:], self.rv[:, :, n:]
+            self.moved += n
         channel = s.get("kmode") == "channel"
         group = s["kg"] if channel else 1
         move = max(0, (self.rk.shape[2] - s.get("R", 0)) // group * group)
         if move:
             mk, mv = self.rk[:, :, :move], self.rv[:, :, :move]
             self.rk, self.rv = self.rk[:, :, move:], self.rv[:, :, move:]
-            quant = per_channel if channel else per_token
-            self.qk = cat(self.qk, quant(mk, s["kb"], s["kg"], s.get("krot", False)))
+            self.qk = cat(self.qk, self._quant_keys(mk, self.moved))
             self.qv = cat(self.qv, per_token(mv, s["vb"], s["vg"], s.get("vrot", False)))
+            self.moved += move
             mx.eval(self.qk, self.qv)
         rk, rv = self.rk, self.rv
         if s.get("partial") and rk.shape[2]:
@@ -224,12 +337,22 @@ class FakeQuantCache(mlx_cache.KVCache):
             krot = s.get("krot", False)
             rk = per_channel(rk, s["kb"], n, krot) if n > 1 else per_token(rk, s["kb"], 64, krot)
             rv = per_token(rv, s["vb"], s["vg"], s.get("vrot", False))
-        ks = [a for a in (self.qk, rk) if a is not None and a.shape[2]]
-        vs = [a for a in (self.qv, rv) if a is not None and a.shape[2]]
+        sk, sv = self.sink_k, self.sink_v
+        if exact is not None:
+            rk, rv = exact(rk), exact(rv)
+            sk, sv = (None, None) if sk is None else (exact(sk), exact(sv))
+        ks = [a for a in (sk, self.qk, rk) if a is not None and a.shape[2]]
+        vs = [a for a in (sv, self.qv, rv) if a is not None and a.shape[2]]
         self.keys = ks[0]
         k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
         v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
         return k.astype(keys.dtype), v.astype(values.dtype)
+
+
+def _rope_of(model, i: int):
+    layers = getattr(getattr(model, "model", model), "layers", [])
+    attn = getattr(layers[i], "self_attn", None) if i < len(layers) else None
+    return getattr(attn, "rope", None)
 
 
 def make_caches(model, scheme: dict) -> list:
@@ -238,11 +361,12 @@ def make_caches(model, scheme: dict) -> list:
     for i, c in enumerate(mlx_cache.make_prompt_cache(model)):
         kind = "sliding" if isinstance(c, mlx_cache.RotatingKVCache) else "full"
         if kind in scheme:
-            out.append(FakeQuantCache({**exact, **scheme[kind]}))
+            s = {**exact, **scheme[kind]}
         elif "layers" in scheme:
-            out.append(FakeQuantCache(scheme if i in scheme["layers"] else exact))
+            s = scheme if i in scheme["layers"] else exact
         else:
-            out.append(FakeQuantCache(scheme))
+            s = scheme
+        out.append(FakeQuantCache(s, _rope_of(model, i)))
     return out
 
 
@@ -257,7 +381,9 @@ def _layer_bits(s: dict, held: int) -> float:
     k, v = cost(s.get("kb"), s.get("kg", 64)), cost(s.get("vb"), s.get("vg", 64))
     if s.get("kb") is None and s.get("vb") is None:
         return 16.0
-    tail = s.get("R", 0)
+    if s.get("kout"):
+        k = (k * (64 - s["kout"]) + 16.0 * s["kout"]) / 64  # head_dim 64
+    tail = s.get("R", 0) + s.get("S", 0)
     if s.get("kmode") == "channel" and not s.get("partial"):
         tail += (s["kg"] - 1) / 2
     tail = min(tail, held)
@@ -313,7 +439,7 @@ def measure(model, windows: list, base: list, scheme: dict, chunk: int) -> dict:
 
 
 def run(args) -> dict:
-    model, _, texts = load_eval_inputs(args.model, None)
+    model, _, texts = load_eval_inputs(args.model, args.text)
     data = {}
     for name, (ids, bos) in texts.items():
         wins = cut_windows(ids, args.context, args.windows, bos)
@@ -325,18 +451,20 @@ def run(args) -> dict:
     cmd = (
         "python scripts/quality_explore.py "
         + (f"--model {args.model} " if args.model else "")
+        + "".join(f"--text {t} " for t in args.text or ())
         + f"--context {args.context} --chunk {args.chunk} --windows {args.windows}"
     )
-    raw_path = raw_file(args.model)
+    raw_path = args.out or raw_file(args.model)
     old = json.loads(raw_path.read_text()) if raw_path.exists() else {}
     # --only updates a run with the same windows; other windows start afresh.
     results = old["results"] if old.get("command") == cmd else {}
-    for label, (group, scheme) in SCHEMES.items():
+    for label, (group, scheme) in {**SCHEMES, **REAL_SCHEMES}.items():
         if args.only and not {group, label} & set(args.only):
             continue
         t0 = time.perf_counter()
         res = {n: measure(model, w, b, scheme, args.chunk) for n, (w, b) in data.items()}
-        results[label] = {"group": group, "scheme": scheme, "bits": held_bits(model, scheme),
+        bits = held_bits(model, scheme, args.held_context)
+        results[label] = {"group": group, "scheme": scheme, "bits": bits,
                           "texts": res}  # fmt: skip
         line = " | ".join(
             f"{n}: KL {r['kl_mean']:.2e} top-1 {100 * r['top1']:.2f}%" for n, r in res.items()
@@ -353,8 +481,9 @@ def table(raw: dict) -> str:
         + " |",
         "|---|---:|" + "---:|---:|" * len(names),
     ]
-    order = [k for k in SCHEMES if k in raw["results"]]
-    order += [k for k in raw["results"] if k not in SCHEMES]
+    known = {**SCHEMES, **REAL_SCHEMES}
+    order = [k for k in known if k in raw["results"]]
+    order += [k for k in raw["results"] if k not in known]
     for label in order:
         r = raw["results"][label]
         cells = []
@@ -393,22 +522,42 @@ def write_section(raw: dict, model: str | None = None) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the gemma demo model (demo:gemma)")
+    p.add_argument(
+        "--text",
+        type=Path,
+        action="append",
+        default=None,
+        help="a text file (repeat; required with a model that is not a demo)",
+    )
     p.add_argument("--context", type=int, default=512)
+    p.add_argument(
+        "--held-context",
+        type=int,
+        default=2048,
+        help="the context bits per element are computed at",
+    )
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--windows", type=int, default=4)
     p.add_argument(
         "--only", action="append", default=None, help="a group or scheme label (repeat for more)"
     )
     p.add_argument("--render", action="store_true", help="rewrite the table from the JSON only")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON results file (default: docs/quality_explore[_NAME].json)",
+    )
     args = p.parse_args(argv)
     use_fast_blas()  # as `mlx-kvq eval` measures (the recorded numbers were made so)
-    path = raw_file(args.model)
+    path = args.out or raw_file(args.model)
     if args.render:
         raw = json.loads(path.read_text())
     else:
         raw = run(args)
         path.write_text(json.dumps(raw, indent=1) + "\n")
-    write_section(raw, args.model)
+    if args.out is None:
+        write_section(raw, args.model)
     return 0
 
 

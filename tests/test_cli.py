@@ -43,6 +43,14 @@ def test_plan_gemma4_schedule_every_kv_layer_quantized(tmp_path, capsys):
     assert "sliding(512)" in table and "KV-shared" in table
 
 
+def test_plan_says_which_default_a_model_gets(tmp_path, capsys):
+    path = _gemma4_config(tmp_path)  # sliding layers: the bounded layout's default
+    assert main(["plan", "--model", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setting_origin"].startswith("DEFAULT_KV_CONFIG")
+    assert main(["plan", "--model", str(path), "--kv-bits", "4"]) == 0
+    assert "KV setting: K 4b/g64 V 4b/g64, as the bits flags ask" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -99,7 +99,7 @@ def test_eval_json_on_any_english_text(tmp_path, capsys) -> None:
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
     assert data["model"] == "demo:full"
-    (row,) = data["texts"]
+    (row,) = data["settings"][0]["texts"]
     assert row["text"] == "letter" and row["tokens_scored"] == 95
     assert 0 < row["kl_mean"] < 0.1 and 0.5 < row["top1"] <= 1.0
     assert 1 < row["ppl_base"] < 4096

@@ -171,15 +171,48 @@ def test_cli_json_is_well_formed(tiny, monkeypatch, capsys):
     )  # fmt: skip
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
-    assert [t["text"] for t in data["texts"]] == ["a", "b"]
+    (one,) = data["settings"]
+    assert [t["text"] for t in one["texts"]] == ["a", "b"]
     keys = ("ppl_base", "ppl", "rel_ppl_change", "kl_mean", "kl_mean_se", "kl_p99", "top1")
-    for t in data["texts"]:
+    for t in one["texts"]:
         for key in (*keys, "top1_se", "rel_ppl_change_se"):
             assert isinstance(t[key], float) and math.isfinite(t[key])
-    assert data["bits_per_element"] == pytest.approx(4.5)
-    assert data["held_context"] == 2048 and data["kv_bytes"] > 0
-    assert data["kv_config"]["rotation"] == "hadamard" and data["kv_config"]["bits"] == 4
-    assert data["setting"] == "K 4b/g64+rot V 4b/g64+rot"
+    assert one["bits_per_element"] == pytest.approx(4.5)
+    assert one["held_context"] == 2048 and one["kv_bytes"] > 0
+    assert one["kv_config"]["rotation"] == "hadamard" and one["kv_config"]["bits"] == 4
+    assert one["setting"] == "K 4b/g64+rot V 4b/g64+rot"
+
+
+def test_cli_scores_several_settings_against_one_reference(tiny, monkeypatch, capsys):
+    model, tokens = tiny
+    monkeypatch.setattr(
+        ev, "load_eval_inputs", lambda m, t, dtype="auto": (model, None, {"a": (tokens, None)})
+    )
+    rc = main(
+        ["eval", "--kv-group-size", "32", "--setting", "--kv-bits 8", "--setting",
+         "--kv-key-bits 4 --kv-value-bits 0", "--setting", "--kv-bits 4 --kv-group-size 64",
+         "--context", str(CONTEXT), "--chunk", str(CHUNK), "--windows", "2", "--json",
+         "--no-progress"]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    names = [s["setting"] for s in data["settings"]]
+    # The flags outside --setting apply to every setting that does not set them.
+    assert names == ["K 8b/g32 V 8b/g32", "K 4b/g32 V fp16", "K 4b/g64 V 4b/g64"]
+    bases = {s["texts"][0]["ppl_base"] for s in data["settings"]}
+    assert len(bases) == 1  # one unquantized reference, shared
+    kl = [s["texts"][0]["kl_mean"] for s in data["settings"]]
+    assert kl[0] < kl[2] and kl[0] < kl[1]
+    assert all(s["seconds"] > 0 for s in data["settings"]) and data["reference_seconds"] > 0
+    # The same setting alone measures the same figures.
+    alone = ev.evaluate(
+        model, tokens, KVConfig(bits=8, group_size=32), context=CONTEXT, chunk=CHUNK,
+        windows=2, progress=False,
+    )  # fmt: skip
+    assert alone["kl_mean"] == pytest.approx(kl[0], rel=1e-5)
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--setting", "--kv-bits 7"])
+    assert e.value.code == 2
 
 
 def test_cli_table_and_bad_setting(tiny, monkeypatch, capsys):
@@ -224,9 +257,9 @@ def test_cli_defaults_to_the_default_setting_and_zero_turns_it_off(tiny, monkeyp
     )
     common = ["--context", "32", "--chunk", "16", "--windows", "1", "--json", "--no-progress"]
     assert main(["eval", *common]) == 0
-    data = json.loads(capsys.readouterr().out)
+    (data,) = json.loads(capsys.readouterr().out)["settings"]
     assert data["setting"] == DEFAULT_KV_CONFIG.describe()
     assert main(["eval", "--kv-bits", "0", *common]) == 0
-    data = json.loads(capsys.readouterr().out)
+    (data,) = json.loads(capsys.readouterr().out)["settings"]
     t = data["texts"][0]
     assert t["kl_mean"] == 0.0 and t["top1"] == 1.0 and data["bits_per_element"] == 32.0

@@ -29,8 +29,11 @@ from .timing import Stat, interleave, paired_ratio
 FILL_CHUNK = 2048
 
 
-def label(bits: int | None) -> str:
-    return "unquantized" if bits is None else f"{bits}-bit"
+def label(bits) -> str:
+    """A configuration's name: unquantized, `N-bit`, or a `KVConfig`'s description."""
+    if bits is None:
+        return "unquantized"
+    return f"{bits}-bit" if isinstance(bits, int) else bits.describe()
 
 
 def build_model(config: dict, dtype: mx.Dtype, seed: int = 0):
@@ -67,7 +70,11 @@ class CacheMaker:
         if bits is None:
             return make_prompt_cache(self.model)
         if bits not in self._plans:
-            kv = KVConfig(bits=bits, group_size=self.group_size)
+            kv = (
+                bits
+                if isinstance(bits, KVConfig)
+                else KVConfig(bits=bits, group_size=self.group_size)
+            )
             self._plans[bits] = plan_kv(self.model, kv)
         return self._plans[bits].make_cache()
 
@@ -172,7 +179,7 @@ def prefill_cell(
 
 def run(settings: BenchSettings, log=print) -> dict:
     config = settings.resolved_model_config()
-    configs = [None, *settings.bits]
+    configs = [None, *settings.bits, *settings.kv_settings]
     out = {"config": config, "rows": []}
     for dtype_name in settings.dtypes:
         dtype = getattr(mx, dtype_name)

@@ -48,6 +48,7 @@ class BenchSettings:
     sections: tuple[str, ...] = DEFAULT_SECTIONS
     dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
     bits: tuple[int, ...] = (8, 4)  # quantized settings compared with unquantized
+    kv_settings: tuple = ()  # KVConfigs also measured in the model section (--setting)
     group_size: int = 64
     seed: int = 0
     # attention alone

@@ -36,6 +36,13 @@ from .registry import (
     register_for_prompt_files,
     report_leaves,
 )
+from .split import (
+    KVQSplitBatchCache,
+    KVQSplitBatchWindowCache,
+    KVQSplitCache,
+    KVQSplitChunkedCache,
+    KVQSplitWindowCache,
+)
 from .window import KVQBatchWindowCache, KVQWindowCache
 
 __all__ = [
@@ -68,6 +75,11 @@ __all__ = [
     "KVQIndexerCache",
     "KVQDeepseekV41Cache",
     "KVQWindowCache",
+    "KVQSplitBatchCache",
+    "KVQSplitBatchWindowCache",
+    "KVQSplitCache",
+    "KVQSplitChunkedCache",
+    "KVQSplitWindowCache",
     "cache_report",
     "is_twin",
     "leaves",
@@ -82,7 +94,7 @@ def _entry(c) -> dict:
     kind = lookup(c)
     name = kind.name if kind else type(c).__name__
     nbytes = c.nbytes if not c.empty() else 0
-    if isinstance(c, (KVQCache, PagedCache)):
+    if isinstance(c, (KVQCache, PagedCache, KVQSplitBatchCache)):
         return {"kind": name, "quantized": c.quantized, "nbytes": nbytes, "tokens": int(c.size())}
     tokens = c.size() if hasattr(c, "size") else 0
     return {"kind": name, "quantized": False, "nbytes": nbytes, "tokens": int(tokens)}

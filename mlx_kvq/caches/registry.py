@@ -34,6 +34,13 @@ from .paged import (
     KVQPagedWindowCache,
     KVQPagedWindowSequence,
 )
+from .split import (
+    KVQSplitBatchCache,
+    KVQSplitBatchWindowCache,
+    KVQSplitCache,
+    KVQSplitChunkedCache,
+    KVQSplitWindowCache,
+)
 from .window import KVQBatchWindowCache, KVQWindowCache
 
 Converter = Callable[[object, QuantSpec, QuantSpec, int, str], KVQCache]
@@ -56,6 +63,10 @@ class CacheKind:
     # keep their own layout: MLA hand-outs and indexers, chunked attention
     # (llama4's chunk-local mask), deepseek_v41's layer cache, recurrent state.
     paged: bool = False
+    # The twin in the split layout (exact sinks and residual, per-channel keys:
+    # caches/split.py), for specs that ask for it; None: this kind has none,
+    # and the plan gives it per-token keys with nothing exact (and says so).
+    split: Converter | None = None
 
 
 def _own(x):
@@ -98,13 +109,21 @@ def _same(c, *_):
 
 
 REGISTRY: dict[type, CacheKind] = {
-    mlx_cache.KVCache: CacheKind("full", KVQFullCache.from_cache),
-    mlx_cache.ConcatenateKVCache: CacheKind("full", KVQFullCache.from_cache),
+    mlx_cache.KVCache: CacheKind("full", KVQFullCache.from_cache, split=KVQSplitCache.from_cache),
+    mlx_cache.ConcatenateKVCache: CacheKind(
+        "full", KVQFullCache.from_cache, split=KVQSplitCache.from_cache
+    ),
     mlx_cache.RotatingKVCache: CacheKind(
-        "sliding", KVQWindowCache.from_cache, lambda c: c.max_size
+        "sliding",
+        KVQWindowCache.from_cache,
+        lambda c: c.max_size,
+        split=KVQSplitWindowCache.from_cache,
     ),
     mlx_cache.ChunkedKVCache: CacheKind(
-        "chunked", KVQChunkedCache.from_cache, lambda c: c.chunk_size
+        "chunked",
+        KVQChunkedCache.from_cache,
+        lambda c: c.chunk_size,
+        split=KVQSplitChunkedCache.from_cache,
     ),
     mlx_cache.BatchKVCache: CacheKind("full", _batch_full),
     mlx_cache.BatchRotatingKVCache: CacheKind("sliding", _batch_window, lambda c: c.max_size),
@@ -125,6 +144,11 @@ REGISTRY: dict[type, CacheKind] = {
     KVQIndexRows: CacheKind("indexer", _same),
     PendingRows: CacheKind("state", None),
     KVQDeepseekV41Cache: CacheKind("layer", _same, lambda c: c.window_size, one_sequence=True),
+    KVQSplitCache: CacheKind("full", _same, split=_same),
+    KVQSplitWindowCache: CacheKind("sliding", _same, lambda c: c.max_size, split=_same),
+    KVQSplitChunkedCache: CacheKind("chunked", _same, lambda c: c.chunk_size, split=_same),
+    KVQSplitBatchCache: CacheKind("full", _same, split=_same),
+    KVQSplitBatchWindowCache: CacheKind("sliding", _same, lambda c: c.max_size, split=_same),
 }
 
 
@@ -192,6 +216,10 @@ def quantize_cache(
         )
     if kind.convert is None:
         return cache
+    if key_spec.split or value_spec.split:
+        if kind.split is None:
+            raise TypeError(f"cache kind {kind.name} has no split layout (see plan.py)")
+        return kind.split(cache, key_spec, value_spec, start, hand_out)
     return kind.convert(cache, key_spec, value_spec, start, hand_out)
 
 
@@ -218,6 +246,11 @@ PROMPT_FILE_CLASSES: dict[str, type] = {
         KVQIndexerCache,
         KVQBatchIndexerCache,
         KVQDeepseekV41Cache,
+        KVQSplitCache,
+        KVQSplitWindowCache,
+        KVQSplitChunkedCache,
+        KVQSplitBatchCache,
+        KVQSplitBatchWindowCache,
     )
 }
 

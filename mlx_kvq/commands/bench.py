@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from .flags import add_bench_flags
+from .flags import add_bench_flags, kv_config, setting_namespaces
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +50,12 @@ def settings_from_args(args: argparse.Namespace):
         s = replace(s, model_config=cfg)
     if args.model:
         s = replace(s, server_model=_model_directory(args.model))
+    if args.setting:
+        from ..plan import has_bounded_layers
+
+        bounded = has_bounded_layers(s.resolved_model_config())
+        spaces = setting_namespaces(args.setting, argparse.Namespace())
+        s = replace(s, kv_settings=tuple(kv_config(ns, bounded) for ns in spaces))
     unknown = set(s.sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown bench sections {sorted(unknown)}; choose from {SECTIONS}")

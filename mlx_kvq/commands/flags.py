@@ -12,9 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 from pathlib import Path
 
-from ..config import PAGED_BLOCK_SIZE, ROTATIONS, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, KVConfig
+from ..config import (
+    KEY_SCALES,
+    PAGED_BLOCK_SIZE,
+    ROTATIONS,
+    SUPPORTED_BITS,
+    SUPPORTED_GROUP_SIZES,
+    KVConfig,
+)
 from ..defaults import resolve_widths
 from ..engine.disk import DEFAULT_DISK_BYTES
 from ..sampling_params import DEFAULT_MAX_TOKENS, SamplingError, SamplingParams
@@ -61,6 +69,13 @@ def _group_size(text: str) -> int:
     if size not in SUPPORTED_GROUP_SIZES:
         raise argparse.ArgumentTypeError(f"kv group size must be one of {SUPPORTED_GROUP_SIZES}")
     return size
+
+
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return n
 
 
 def _layers(text: str) -> list[int]:
@@ -224,6 +239,36 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
         "flag: the default setting's, 8)",
     )
     g.add_argument(
+        "--kv-key-scales",
+        choices=KEY_SCALES,
+        default=None,
+        help="what gets its own scale and bias in the keys: token (each token's key, in "
+        "groups of channels, as mlx-lm) or channel (each channel, in groups of "
+        "--kv-key-group-size tokens: KIVI, for keys with outlier channels); default: token "
+        "with explicit bits, the default setting's without",
+    )
+    g.add_argument(
+        "--kv-key-group-size",
+        type=_group_size,
+        default=None,
+        help="group size of the keys (tokens per group with --kv-key-scales channel); "
+        "default: --kv-group-size",
+    )
+    g.add_argument(
+        "--kv-residual",
+        type=_count,
+        default=None,
+        help="the last N tokens of every layer stay unquantized (in 16 bits), quantized as "
+        "newer ones arrive; default: 0 with explicit bits, the default setting's without",
+    )
+    g.add_argument(
+        "--kv-sinks",
+        type=_count,
+        default=None,
+        help="the first N tokens of full-attention layers stay unquantized (attention "
+        "sinks); default: 0 with explicit bits, the default setting's without",
+    )
+    g.add_argument(
         "--quantized-kv-start",
         type=int,
         default=0,
@@ -251,15 +296,54 @@ def kv_config(args: argparse.Namespace, bounded: bool = True) -> KVConfig:
     a bounded layer: `startup.kv_setting` asks the model."""
     w = resolve_widths(
         args.kv_bits, args.kv_key_bits, args.kv_value_bits, args.kv_rotation,
-        args.kv_window_bits, bounded,
+        args.kv_window_bits, bounded, args.kv_key_scales, args.kv_key_group_size,
+        args.kv_residual, args.kv_sinks,
     )  # fmt: skip
     return KVConfig.from_args(
         kv_bits=w.bits, kv_group_size=args.kv_group_size, kv_key_bits=w.key_bits,
         kv_value_bits=w.value_bits, kv_rotation=w.rotation,
         quantized_kv_start=args.quantized_kv_start, max_kv_size=args.max_kv_size,
         allow_partial_kv=args.allow_partial_kv, kv_skip_layers=args.kv_skip_layers,
-        kv_window_bits=w.window_bits,
+        kv_window_bits=w.window_bits, kv_key_scales=w.key_scales,
+        kv_key_group_size=w.key_group_size, kv_residual=w.residual, kv_sinks=w.sinks,
     )  # fmt: skip
+
+
+def kv_flag_names() -> tuple[str, ...]:
+    """The attribute names of every KV flag (what `add_kv_flags` defines)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_kv_flags(parser)
+    return tuple(vars(parser.parse_args([])))
+
+
+def add_setting_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--setting FLAGS`, repeated: several KV settings in one run."""
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=None,
+        metavar="FLAGS",
+        help="a KV setting, as KV flags in one argument (e.g. '--kv-bits 4 --kv-rotation "
+        f"hadamard'); repeat for several, {what}",
+    )
+
+
+def setting_namespaces(texts: list[str] | None, base: argparse.Namespace) -> list:
+    """One namespace of KV flags per `--setting` text, parsed over the KV flags
+    of `base` (the command's own; a setting sets what it names); `base`'s
+    alone when there is none. A bad flag exits with status 2, naming the setting."""
+    values = {name: getattr(base, name, None) for name in kv_flag_names()}
+    if not texts:
+        return [argparse.Namespace(**values)]
+    out = []
+    for text in texts:
+        parser = argparse.ArgumentParser(prog=f"--setting {text!r}", add_help=False)
+        add_kv_flags(parser)
+        defaults = vars(parser.parse_args([]))
+        merged = {k: (defaults[k] if v is None and defaults[k] is not None else v)
+                  for k, v in values.items()}  # fmt: skip
+        out.append(parser.parse_args(shlex.split(text), namespace=argparse.Namespace(**merged)))
+    return out
 
 
 # The sampling flags: (flag, SamplingParams field, type, help); each defaults
@@ -583,6 +667,11 @@ def add_eval_flags(p: argparse.ArgumentParser) -> None:
         "its in-domain text, then its out-of-domain one: the held-out KJV and modern English)",
     )
     add_kv_flags(p)
+    add_setting_flag(
+        p,
+        "all scored against one unquantized run; the KV flags outside --setting apply to "
+        "every setting that does not set them",
+    )
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per window")
     p.add_argument(
         "--chunk",
@@ -763,6 +852,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
         "--server-text",
         default=None,
         help="servers section: the text prompts are cut from (default: the demo texts)",
+    )
+    add_setting_flag(
+        p,
+        "each measured in the model section beside --bits (decode and prefill against unquantized)",
     )
     p.add_argument("--no-plots", action="store_true")
     add_seed_flag(p)

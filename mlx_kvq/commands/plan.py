@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from .flags import add_plan_flags, kv_config
-from .startup import ModelSource, kv_setting, model_source
+from .startup import ModelSource, kv_setting, model_source, setting_origin
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,12 +30,15 @@ def run(args: argparse.Namespace) -> int:
     if source.local_config is None and not given.is_file():
         raise FileNotFoundError(f"no config.json at {source.location}")
     cfg = kv_setting(args, source, given)
+    origin = setting_origin(args, source, given)
     plan = plan_kv(given, cfg)
     estimate = plan.estimate(args.context, args.batch)
     if args.json:
-        print(json.dumps({**plan.to_dict(), "estimate": estimate}, indent=2, default=str))
+        report = {**plan.to_dict(), "setting_origin": origin, "estimate": estimate}
+        print(json.dumps(report, indent=2, default=str))
         return 0
     print(plan.table())
+    print(f"\nKV setting: {cfg.describe()}, {origin}")
     print()
     print(f"estimate at {args.context} tokens x batch {args.batch}:")
     for kind, e in estimate["by_kind"].items():

@@ -96,6 +96,20 @@ def kv_setting(args: argparse.Namespace, source: ModelSource, model: Any = None)
     return kv_config(args, has_bounded_layers(target, args.max_kv_size))
 
 
+def setting_origin(args: argparse.Namespace, source: ModelSource, model: Any = None) -> str:
+    """Where the KV setting of `kv_setting` comes from, in words: the flags, or
+    which default of `mlx_kvq/defaults.py` the model's layout gets."""
+    from ..defaults import asks_for_default, default_name
+    from ..plan import has_bounded_layers
+
+    target = model if model is not None else source.local_config
+    if not asks_for_default(args.kv_bits, args.kv_key_bits, args.kv_value_bits):
+        return "as the bits flags ask"
+    if target is None:
+        return default_name(True) + " (layout unknown before the weights load)"
+    return default_name(has_bounded_layers(target, args.max_kv_size)) + " (mlx_kvq/defaults.py)"
+
+
 def refuse_early(source: ModelSource, kv: KVConfig) -> None:
     """Plan from config.json alone (no weights), so a bad setting stops here."""
     from ..plan import plan_kv

@@ -89,13 +89,20 @@ def choose_layout(plan: Any, block_size: int | None) -> Layout:
     probe = Pages(block_size)
     page_caches(plan.make_cache(), probe)
     kv = len(plan.kv_layers)
+    split = sum(1 for p in plan.kv_layers if p.key_spec.split or p.value_spec.split)
+    why = (
+        f" ({split} in the split layout, which has no paged form: sinks, recent tokens "
+        "and per-channel keys are held per sequence)"
+        if split
+        else ""
+    )
     if not probe.pools:
-        return Layout(None, frozenset(), "padded rows: none of its KV layers pages")
+        return Layout(None, frozenset(), f"padded rows: none of its KV layers pages{why}")
     return Layout(
         block_size,
         frozenset(probe.pools),
         f"paged: {len(probe.pools)} of {kv} KV layers in blocks of {block_size} tokens"
-        + ("" if len(probe.pools) == kv else "; the others keep padded rows"),
+        + ("" if len(probe.pools) == kv else f"; the others keep padded rows{why}"),
     )
 
 

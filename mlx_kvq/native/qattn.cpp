@@ -210,7 +210,75 @@ KVQ_CLONES void weighted_rows(
   }
 }
 
-enum class Kind { Scores, Weighted };
+// ---- channel scores: q (M x D) against channel-major packed K -----------------
+// K is stored per channel: row d holds the `bits`-wide integers of tokens
+// [0, N) and a scale and a bias per `gs` tokens (KIVI). For each group of gs
+// tokens: out[m, n] = sum_d (q[m,d] * scale[d,g]) * int[d,n] + sum_d q[m,d] * bias[d,g].
+template <int bits, typename S>
+KVQ_CLONES void channel_scores_groups(
+    const float* q, int M, int D, const uint8_t* w, int64_t w_row, const S* sc, const S* bi,
+    int64_t s_row, int gs, int g0, int g1, float* out, int N) {
+  alignas(32) float ints[128];
+  std::vector<float> acc(size_t(M) * gs);
+  std::vector<float> c(M);
+  for (int g = g0; g < g1; ++g) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(c.begin(), c.end(), 0.0f);
+    for (int d = 0; d < D; ++d) {
+      const uint8_t* row = w + d * w_row + int64_t(g) * gs * bits / 8;
+      for (int i = 0; i < gs; i += 8) store8(ints + i, unpack8<bits>(row + i * bits / 8));
+      float scale = to_float(sc[d * s_row + g]);
+      float bias = to_float(bi[d * s_row + g]);
+      for (int m = 0; m < M; ++m) {
+        float qd = q[size_t(m) * D + d];
+        c[m] += qd * bias;
+        f8 a = (f8){} + qd * scale;
+        float* am = acc.data() + size_t(m) * gs;
+        for (int i = 0; i < gs; i += 8) store8(am + i, load8(am + i) + a * load8(ints + i));
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float* o = out + size_t(m) * N + int64_t(g) * gs;
+      const float* am = acc.data() + size_t(m) * gs;
+      for (int i = 0; i < gs; ++i) o[i] = am[i] + c[m];
+    }
+  }
+}
+
+template <int bits, typename S>
+void run_channel(const std::vector<mx::array>& in, mx::array& out, int gs) {
+  const mx::array& x = in[0];  // q (B, H, M, D) float32
+  const mx::array& w = in[1];  // (B, H, D, N * bits / 32) uint32
+  const mx::array& sc = in[2];  // (B, H, D, N / gs)
+  const mx::array& bi = in[3];
+  int B = out.shape(0), H = out.shape(1), M = out.shape(2), N = out.shape(3);
+  int D = w.shape(2);
+  Layout lw = layout(w), ls = layout(sc), lb = layout(bi);
+  if (ls.s2 != lb.s2) {
+    throw std::invalid_argument("kvq native: scales and biases must share a layout");
+  }
+  const uint8_t* wbase = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
+  const S* sbase = sc.data<S>();
+  const S* bbase = bi.data<S>();
+  float* obase = out.data<float>();
+  int groups = N / gs;
+  int cores = max_threads();
+  int chunks = std::max(1, std::min({cores, groups, N / 512 + 1}));
+  int tasks = B * H * chunks;
+  std::vector<std::vector<float>> scratch(tasks);
+  parallel_for(tasks, int64_t(B) * H * M * N * D, [&](int t) {
+    int c = t % chunks, bh = t / chunks, h = bh % H, b = bh / H;
+    int g0 = int(int64_t(groups) * c / chunks), g1 = int(int64_t(groups) * (c + 1) / chunks);
+    const float* xr = rows_of(x, b, h, scratch[t]);
+    const uint8_t* wp = wbase + lw.offset(b, h) * 4;
+    const S* sp = sbase + ls.offset(b, h);
+    const S* bp = bbase + lb.offset(b, h);
+    float* o = obase + (size_t(b) * H + h) * M * N;
+    channel_scores_groups<bits, S>(xr, M, D, wp, lw.s2 * 4, sp, bp, ls.s2, gs, g0, g1, o, N);
+  });
+}
+
+enum class Kind { Scores, Weighted, ChannelScores };
 
 template <int bits, typename S>
 void run(Kind kind, const std::vector<mx::array>& in, mx::array& out, int gs) {
@@ -267,6 +335,17 @@ void run(Kind kind, const std::vector<mx::array>& in, mx::array& out, int gs) {
 
 template <typename S>
 void run_bits(Kind kind, int bits, const std::vector<mx::array>& in, mx::array& out, int gs) {
+  if (kind == Kind::ChannelScores) {
+    switch (bits) {
+      case 2: return run_channel<2, S>(in, out, gs);
+      case 3: return run_channel<3, S>(in, out, gs);
+      case 4: return run_channel<4, S>(in, out, gs);
+      case 5: return run_channel<5, S>(in, out, gs);
+      case 6: return run_channel<6, S>(in, out, gs);
+      case 8: return run_channel<8, S>(in, out, gs);
+      default: throw std::invalid_argument("kvq native: unsupported bits");
+    }
+  }
   switch (bits) {
     case 2: return run<2, S>(kind, in, out, gs);
     case 3: return run<3, S>(kind, in, out, gs);
@@ -306,7 +385,9 @@ class PackedProduct : public mx::Primitive {
   }
 
   const char* name() const override {
-    return kind_ == Kind::Scores ? "KvqPackedScores" : "KvqPackedWeighted";
+    return kind_ == Kind::Scores     ? "KvqPackedScores"
+           : kind_ == Kind::Weighted ? "KvqPackedWeighted"
+                                     : "KvqChannelScores";
   }
 
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -347,6 +428,30 @@ mx::array packed_scores(const mx::array& q, const mx::array& w, const mx::array&
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(shape, mx::float32,
                    std::make_shared<PackedProduct>(s, Kind::Scores, bits, group_size),
+                   {mx::astype(q, mx::float32, s), w, scales, biases});
+}
+
+mx::array channel_scores(const mx::array& q, const mx::array& w, const mx::array& scales,
+                         const mx::array& biases, int group_size, int bits) {
+  if (q.ndim() != 4 || w.ndim() != 4 || scales.ndim() != 4 || biases.ndim() != 4) {
+    throw std::invalid_argument("kvq native: inputs must be 4-D (batch, heads, rows, dim)");
+  }
+  if (w.dtype() != mx::uint32 || scales.dtype() != biases.dtype()) {
+    throw std::invalid_argument("kvq native: packed data must be uint32, scales and biases alike");
+  }
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+    throw std::invalid_argument("kvq native: bits must be 2, 3, 4, 5, 6 or 8");
+  }
+  int64_t N = int64_t(w.shape(3)) * 32 / bits;
+  if (group_size % 8 != 0 || group_size > 128 || int64_t(scales.shape(3)) * group_size != N ||
+      q.shape(3) != w.shape(2) || scales.shape(2) != w.shape(2)) {
+    throw std::invalid_argument(
+        "kvq native: channel-major keys: group size above 128, or shapes not matching");
+  }
+  mx::Shape shape = {q.shape(0), q.shape(1), q.shape(2), int(N)};
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(shape, mx::float32,
+                   std::make_shared<PackedProduct>(s, Kind::ChannelScores, bits, group_size),
                    {mx::astype(q, mx::float32, s), w, scales, biases});
 }
 
@@ -651,6 +756,9 @@ NB_MODULE(_native, m) {
   m.def("packed_scores", &packed_scores, "q"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "float32 q @ K^T with K packed (B, H, N, D*bits/32); (B, H, M, N)");
+  m.def("channel_scores", &channel_scores, "q"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a,
+        "float32 q @ K^T with K channel-major (B, H, D, N*bits/32), scales per group of tokens");
   m.def("packed_weighted", &packed_weighted, "p"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "float32 p @ V with V packed (B, H, N, D*bits/32); (B, H, M, D)");
