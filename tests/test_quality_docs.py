@@ -11,7 +11,9 @@ no single setting meets the goal on both models; the doc shows the recorded
 numbers; and
 running each command on a slice (the first window of each text) reproduces
 the recorded per-window KL and top-1 figures within the standard error the
-doc states beside them (the perplexity change, secondary and sensitive to
+doc states beside them (top-1 also within two positions of the window: the
+BLAS's thread count changes the order of sums, which flips near-ties; the
+perplexity change, secondary and sensitive to
 float summation order, within its spread across windows).
 """
 
@@ -41,6 +43,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import quality_tables as qt  # noqa: E402
 
 BLOCKS = {"gemma": "default", "full": "default_full"}
+TIES = 2  # positions of a window whose top token a different summation order may flip
 LAYOUT_DEFAULTS = {"gemma": DEFAULT_KV_CONFIG, "full": DEFAULT_FULL_KV_CONFIG}
 
 
@@ -118,7 +121,10 @@ def test_the_command_reproduces_the_recorded_figures_on_a_slice(raw, which):
         for key, spread in (("kl_mean", "kl_mean_se"), ("kl_p99", "kl_p99_se"),
                             ("top1", "top1_se")):  # fmt: skip
             g, w = got["per_window"][key][0], want["per_window"][key][0]
-            assert abs(g - w) <= want[spread], (name, key, g, w, want[spread])
+            tolerance = want[spread]
+            if key == "top1":  # the BLAS's thread count reorders sums: a near-tie may flip
+                tolerance = max(tolerance, TIES * want["windows"] / want["tokens_scored"])
+            assert abs(g - w) <= tolerance, (name, key, g, w, tolerance)
         # The perplexity change is a difference of two nearly equal sums: float
         # summation order (the BLAS, the native kernels) moves it by a few 1e-4,
         # so it is held to its spread across windows (standard error x sqrt(n)).
