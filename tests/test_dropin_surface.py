@@ -59,8 +59,15 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def flags(parser: argparse.ArgumentParser) -> set[str]:
-    """The long flags a parser's --help lists."""
-    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", parser.format_help())) - {"--help"}
+    """The long flags a parser's --help lists (from its actions: the help
+    text wraps long flag names at their hyphens)."""
+    return {
+        o
+        for a in parser._actions
+        if a.help != argparse.SUPPRESS
+        for o in a.option_strings
+        if o.startswith("--")
+    } - {"--help"}
 
 
 def test_every_mlx_lm_server_flag_is_a_serve_flag():
