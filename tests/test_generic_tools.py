@@ -6,7 +6,9 @@ or one call; only the call when one is required), and the reading of an
 answer. Then the official `anthropic` and `openai` SDKs against `mlx-kvq
 serve --tool-format json` on a scripted model with the `plain` template
 (no tools in it): asked about the weather it writes the JSON call; once the
-tool's result is in the prompt it answers in text.
+tool's result is in the prompt it answers in text. The real Gemma 3 270M's
+answer in this format is checked in tests/test_real_models.py, on the
+server that test starts anyway.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import httpx
 import llguidance
 import llguidance.hf
 import pytest
-from kvq_testing import real_models
 from kvq_testing.scripted import save_scripted_model
 from kvq_testing.server import ServerProcess
 from mlx_lm.utils import load_tokenizer
@@ -199,19 +200,3 @@ def test_what_the_generic_format_cannot_combine_is_refused(server):
 
 
 # -- a real model whose template renders no tools ---------------------------------------
-def test_gemma3_270m_calls_a_tool_in_the_generic_format():
-    """Gemma 3 270M (base, no chat template) with a required call: a tool_use
-    block whose input matches the tool's schema (which call a base model makes
-    is not the point; that its answer has the shape is)."""
-    real_models.converted("gemma")  # converted once; the server reuses it
-    tools = [{"name": "get_weather", "description": "Current weather in a city",
-              "input_schema": PARAMETERS}]  # fmt: skip
-    with ServerProcess(real_models.gemma_gguf(), "--tool-format", "json", api_key=KEY) as s:
-        s.wait_ready()
-        claude = anthropic.Anthropic(base_url=s.url, api_key=KEY, max_retries=0, timeout=600)
-        m = claude.messages.create(model="gemma", max_tokens=40, tools=tools,
-                                   tool_choice={"type": "any"},
-                                   messages=[{"role": "user", "content": WEATHER}])  # fmt: skip
-    (call,) = m.content
-    assert (call.type, call.name, m.stop_reason) == ("tool_use", "get_weather", "tool_use")
-    assert set(call.input) == {"city"} and isinstance(call.input["city"], str)

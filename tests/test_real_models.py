@@ -6,8 +6,8 @@ What a correct conversion shows: sensible greedy answers, perplexity in the
 range of models this size on English text, tokenizers that round-trip; and
 the product on real weights: the seed's scenario on Gemma 3 (every layer
 quantized, the sliding layers' bytes flat past the 512-token window, ready
-only after the warm-up), a chat through the official SDKs, and the paged
-layout against padded rows.
+only after the warm-up, a generic-format tool call), a chat through the
+official SDKs, and the paged layout against padded rows.
 """
 
 from __future__ import annotations
@@ -30,6 +30,15 @@ from mlx_kvq.from_gguf import read_conversion
 from mlx_kvq.plan import has_bounded_layers, plan_kv
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
 
 
 def _text(n_chars: int) -> str:
@@ -119,12 +128,13 @@ def test_gemma_seed_scenario_every_layer_quantized_and_windows_bounded():
     assert full[-1][0] - full[0][0] == 10  # the full layers hold every token
 
 
-def test_gemma_server_ready_only_after_warmup(tmp_path):
+def test_gemma_server_ready_only_after_warmup_and_calls_a_generic_tool(tmp_path):
     gate = tmp_path / "gate"
     real_models.use_test_cache()
     real_models.converted("gemma")  # converted once; the server reuses it
     source = real_models.gemma_gguf()
-    with ServerProcess(source, "--warmup-gate", str(gate), "--max-tokens", "16") as s:
+    flags = ("--warmup-gate", str(gate), "--max-tokens", "16", "--tool-format", "json")
+    with ServerProcess(source, *flags) as s:
         s.wait_for("/live", 200)
         r = s.health()
         assert r.status_code == 503 and r.json() == {"status": "warming_up"}
@@ -136,6 +146,16 @@ def test_gemma_server_ready_only_after_warmup(tmp_path):
             model="default_model", prompt=_text(2500), max_tokens=8, temperature=0
         )
         assert r.usage.prompt_tokens > 512 and r.usage.completion_tokens == 8
+        # Gemma 3's template renders no tools: the generic format's answer has
+        # the API's shape (which call a base model makes is not the point).
+        claude = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0, timeout=600)
+        m = claude.messages.create(
+            model="gemma", max_tokens=40, tools=[WEATHER_TOOL], tool_choice={"type": "any"},
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        )  # fmt: skip
+    (call,) = m.content
+    assert (call.type, call.name, m.stop_reason) == ("tool_use", "get_weather", "tool_use")
+    assert set(call.input) == {"city"} and isinstance(call.input["city"], str)
 
 
 def test_smollm_chat_through_openai_and_anthropic_sdks():
