@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .timing import format_spread
+
 # decode 4-bit / unquantized, by dtype and context (float32, whose unquantized
 # products run on a fast BLAS: 0.9x at 4k and 1.0x at 16k)
 GOAL_DECODE = {
@@ -150,12 +152,7 @@ def _goal(name: str, value: float, target: float) -> dict:
 
 # -- markdown ------------------------------------------------------------------
 def _spread(d: dict, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
-    if not d or d.get("median") is None:
-        return d.get("skipped") and f"not run ({d['skipped']})" or "-"
-    med = fmt.format(d["median"] * scale)
-    if d.get("n", 1) > 1:
-        return f"{med} ({fmt.format(d['min'] * scale)}-{fmt.format(d['max'] * scale)})"
-    return f"{med} (n=1)"
+    return format_spread(d, fmt, scale, mark_single=True)
 
 
 def _loads(x) -> str:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .settings import BenchSettings
-from .timing import Stat, paired_ratio
+from .timing import Stat, format_spread, paired_ratio
 
 BASELINE = "mlx_lm.server"
 STARTUP_TIMEOUT_S = 900.0
@@ -514,13 +514,11 @@ def _goal(name: str, value: float, target: float, at_most: bool = False) -> dict
     return {"goal": name, "value": value, "target": target, "at_most": at_most, "met": met}
 
 
-def _spread(d: dict, fmt: str = "{:.1f}") -> str:
-    if not d or d.get("median") is None:
-        return "-"
-    med = fmt.format(d["median"])
-    if d.get("n", 1) > 1:
-        return f"{med} ({fmt.format(d['min'])}-{fmt.format(d['max'])})"
-    return med
+def _header(first: str, unit: str, names: list[str], base: str) -> list[str]:
+    """A table's header rows: `first`, each arm's figure in `unit`, each
+    mlx-kvq arm's ratio to `base`."""
+    cells = [first, *(f"{n} {unit}" for n in names), *(f"{n} / {base}" for n in names[1:])]
+    return ["| " + " | ".join(cells) + " |", "|---|" + "---|" * (len(cells) - 1)]
 
 
 def markdown(out: dict) -> list[str]:
@@ -549,19 +547,14 @@ def markdown(out: dict) -> list[str]:
         f"Ready: `/health` 200 for mlx-kvq, the first completion answered for {base} "
         "(its `/health` answers while the model still loads).",
         "",
-        "| scenario | "
-        + " | ".join(f"{n} tok/s" for n in names)
-        + " | "
-        + " | ".join(f"{n} / {base}" for n in names[1:])
-        + " |",
-        "|---|" + "---|" * (2 * len(names) - 1),
+        *_header("scenario", "tok/s", names, base),
     ]
     for sc in out["scenarios"]:
         lines.append(
             f"| {sc['scenario']} ({sc['answer_tokens']} tokens each) | "
-            + " | ".join(_spread(sc["tokens_per_s"][n]) for n in names)
+            + " | ".join(format_spread(sc["tokens_per_s"][n]) for n in names)
             + " | "
-            + " | ".join(_spread(sc["ratio"][n], "{:.2f}x") for n in names[1:])
+            + " | ".join(format_spread(sc["ratio"][n], "{:.2f}x") for n in names[1:])
             + " |"
         )
     t = out.get("time_to_first_token")
@@ -571,19 +564,14 @@ def markdown(out: dict) -> list[str]:
             f"Time to first token (seconds to a one-token answer) on a "
             f"{t['prompt_tokens']}-token prompt never seen (cold), then the same prompt again:",
             "",
-            "| prompt | "
-            + " | ".join(f"{n} s" for n in names)
-            + " | "
-            + " | ".join(f"{n} / {base}" for n in names[1:])
-            + " |",
-            "|---|" + "---|" * (2 * len(names) - 1),
+            *_header("prompt", "s", names, base),
         ]
         for kind in ("cold", "repeated"):
             lines.append(
                 f"| {kind} | "
-                + " | ".join(_spread(t[kind]["seconds"][n], "{:.2f}") for n in names)
+                + " | ".join(format_spread(t[kind]["seconds"][n], "{:.2f}") for n in names)
                 + " | "
-                + " | ".join(_spread(t[kind]["ratio"][n], "{:.2f}x") for n in names[1:])
+                + " | ".join(format_spread(t[kind]["ratio"][n], "{:.2f}x") for n in names[1:])
                 + " |"
             )
     lines += ["", "Answers with the same text (greedy):", ""]

@@ -109,3 +109,16 @@ def paired_ratio(base: Stat, other: Stat) -> Stat:
     if len(base.samples) == len(other.samples):
         return Stat([b / o for b, o in zip(base.samples, other.samples, strict=True) if o > 0])
     return Stat([base.median / other.median])
+
+
+def format_spread(
+    d: dict | None, fmt: str = "{:.1f}", scale: float = 1.0, mark_single: bool = False
+) -> str:
+    """A stat's dict as `median (min-max)`; one sample alone marked `(n=1)`
+    when `mark_single`, a section not run as `not run (why)`."""
+    if not d or d.get("median") is None:
+        return f"not run ({d['skipped']})" if d and d.get("skipped") else "-"
+    med = fmt.format(d["median"] * scale)
+    if d.get("n", 1) > 1:
+        return f"{med} ({fmt.format(d['min'] * scale)}-{fmt.format(d['max'] * scale)})"
+    return f"{med} (n=1)" if mark_single else med
