@@ -195,8 +195,7 @@ def _disk_families(d):
     )
     skips = CounterMetricFamily(
         P + "prompt_cache_disk_skips",
-        "Files not used or not written, by reason (foreign, corrupt, missing, no_room, "
-        "queue_full, too_large, write_error, unsupported)",
+        f"Files not used or not written, by reason ({', '.join(r.value for r in Skip)})",
         labels=["reason"],
     )
     counted = dict(d.skips)
