@@ -153,9 +153,7 @@ def build(
     )
     # mlx_lm.server's XTC special tokens: the newline's tokens and EOS
     samplers = SamplerPool(xtc_special=(*tokenizer.encode("\n"), *tokenizer.eos_token_ids))
-    grammars = Grammars(tokenizer)
-    if not grammars.available:
-        log.warning("response_format json_object/json_schema will get 400: %s", grammars.reason)
+    grammars = Grammars(tokenizer)  # reads the vocabulary while the warm-up runs
     admission = Admission(
         memory, metrics, tokenizer, grammars, samplers, max_context=o.max_context,
         max_queued=o.max_queued_requests, speculation=draft is not None,

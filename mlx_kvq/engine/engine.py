@@ -173,6 +173,7 @@ class Engine:
                 self.draft,
             )  # fmt: skip
             self._samplers.vocab = vocab or self._samplers.vocab
+            self.grammars.wait()  # ready includes response_format's path
             verdict = self.coordinator.agree_warmup(verdict)
             if not verdict.ok:
                 self._shutdown(verdict.error or "warm-up failed")

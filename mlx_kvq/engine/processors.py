@@ -15,6 +15,8 @@ that request alone (one request must never fail the others), as `sampling.Guarde
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +30,8 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_kvq.mlx_lm_internals import hf_tokenizer
 
 from .requests import SamplingParams
+
+log = logging.getLogger("mlx_kvq.engine")
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -90,8 +94,10 @@ class GrammarError(ValueError):
 
 
 class Grammars:
-    """llguidance over the served tokenizer; built (and a grammar compiled)
-    once, when the engine is.
+    """llguidance over the served tokenizer, built (and a grammar compiled)
+    once per engine, on a thread of its own: reading a large vocabulary takes
+    seconds, which overlap the warm-up; the engine waits for it (`wait`)
+    before it says ready, and every use waits too.
 
     `reason` says why grammars are unavailable (a tokenizer llguidance
     cannot read), or is None.
@@ -100,25 +106,40 @@ class Grammars:
     def __init__(self, tokenizer: Any):
         self.reason: str | None = None
         self._tokenizer = None
+        self._loading = threading.Thread(
+            target=self._load, args=(tokenizer,), name="kvq-grammars", daemon=True
+        )
+        self._loading.start()
+
+    def _load(self, tokenizer: Any) -> None:
         try:
             self._tokenizer = _ll_tokenizer(hf_tokenizer(tokenizer), list(tokenizer.eos_token_ids))
-            self.processor(json_grammar(None))  # the real path, once, at startup
+            self._processor(json_grammar(None))  # the real path, once, at startup
         except Exception as e:  # noqa: BLE001 - any failure means: no grammars here
             self._tokenizer = None
             self.reason = f"llguidance cannot read this tokenizer ({type(e).__name__}: {e})"
+            log.warning("response_format json_object/json_schema will get 400: %s", self.reason)
+
+    def wait(self) -> Grammars:
+        """Block until llguidance has read the tokenizer (or failed to)."""
+        self._loading.join()
+        return self
 
     @property
     def available(self) -> bool:
-        return self._tokenizer is not None
+        return self.wait()._tokenizer is not None
 
     def check(self, grammar: str) -> str | None:
         """Why `grammar` cannot be used, or None."""
-        if self._tokenizer is None:
+        if self.wait()._tokenizer is None:
             return self.reason
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         return None if not error or error.startswith("WARNING") else error
 
     def processor(self, grammar: str) -> GrammarProcessor:
+        return self.wait()._processor(grammar)
+
+    def _processor(self, grammar: str) -> GrammarProcessor:
         if self._tokenizer is None:
             raise ValueError(f"grammars are unavailable: {self.reason}")
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)

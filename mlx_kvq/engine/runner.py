@@ -305,29 +305,42 @@ class BatchRunner:
 
     # ------------------------------------------------------------ warm-up
     def warm_up(
-        self, prompts: list[list[int]], max_tokens: int, make_cache: Callable[[], list]
+        self,
+        first: list[int],
+        joining: list[list[int]],
+        max_tokens: int,
+        make_cache: Callable[[], list],
     ) -> WarmupRun:
-        """Run `prompts` greedily through the batch for `max_tokens` tokens each
+        """Run `first` greedily through the batch and, once it decodes, insert
+        `joining` together (right-padded, then merged into the running batch),
+        `max_tokens` each and twice that for `first`, so all decode together
         (no EOS: every step runs), as requests go."""
-        uids = self._bg.insert(
-            prompts,
-            max_tokens=[max_tokens] * len(prompts),
-            caches=[self.for_batch(make_cache()) for _ in prompts],
-            samplers=[greedy_sampler] * len(prompts),
-            stop_sequences=[StopSequences()] * len(prompts),
-        )
+
+        def insert(prompts: list[list[int]], n: int) -> list[int]:
+            return self._bg.insert(
+                prompts,
+                max_tokens=[n] * len(prompts),
+                caches=[self.for_batch(make_cache()) for _ in prompts],
+                samplers=[greedy_sampler] * len(prompts),
+                stop_sequences=[StopSequences()] * len(prompts),
+            )
+
+        uids = list(insert([first], 2 * max_tokens))
+        waiting = joining
         batch_report: list[dict] = []
         finished: dict[int, tuple[list, int]] = {}
         vocab = 0
         while len(finished) < len(uids):
             _, responses = self._bg.next()
-            caches = self.caches()
-            if caches:
-                batch_report = cache_report(caches)
             for r in responses:
                 vocab = r.logprobs.shape[-1]
                 if r.finish_reason is not None:
                     finished[r.uid] = (r.prompt_cache, len(r.all_tokens))
+            if uids[0] not in finished:  # the batch as it holds the long sequence
+                batch_report = cache_report(self.caches())
+            if waiting and responses:
+                uids += insert(waiting, max_tokens)
+                waiting = []
         longest_cache, longest = max(finished.values(), key=lambda x: x[1])
         return WarmupRun(batch_report, cache_report(longest_cache), longest, vocab)
 

@@ -2,11 +2,13 @@
 
 Before `/health` says ready, the engine runs a small batch through exactly
 the path requests take (plan caches, mlx-lm's `BatchGenerator`, extraction
-for the prompt cache) for long enough to pass `--quantized-kv-start` and
-every sliding window, then checks with `cache_report` that every KV cache
-kind of the model ended up quantized (`run_warmup`; with a draft model,
-one sequence through the speculative lane too). The report it leaves is
-what `/health` shows.
+for the prompt cache): one sequence long enough to pass `--quantized-kv-start`
+and every sliding window, joined while it decodes by two short ones of
+different lengths (right padding, a merge into the running batch), then
+checks with `cache_report` that every KV cache kind of the model ended up
+quantized (`run_warmup`; with a draft model, one sequence through the
+speculative lane too). Only one prompt is long: prefill is the warm-up's
+cost. The report it leaves is what `/health` shows.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from .coordinator import WarmupVerdict
 
 log = logging.getLogger("mlx_kvq.engine")
 
-WARMUP_BATCH = 2  # two sequences of different lengths: exercises padding and merge
-WARMUP_DECODE = 4  # decode steps after the prompt: exercises in-place window writes
+WARMUP_JOINING = (16, 13)  # short prompts that join the long one together: padding and merge
+WARMUP_DECODE = 4  # decode steps after each prompt: exercises in-place window writes
 WARMUP_MARGIN = 8  # tokens beyond the furthest threshold
 
 
@@ -89,23 +91,27 @@ class Readiness:
 
 @dataclass(frozen=True)
 class WarmupSpec:
-    prompt_lengths: tuple[int, ...]
+    long: int  # the first prompt's length: past every threshold
+    joining: tuple[int, ...]  # prompts inserted together once the first decodes
     max_tokens: int
     must_exceed: int  # tokens a sequence must pass: window and quantized start
+
+    @property
+    def batch_size(self) -> int:
+        return 1 + len(self.joining)
 
 
 def warmup_spec(max_window: int | None, kv: KVConfig, max_context: int | None) -> WarmupSpec:
     """Prompt lengths that carry every sequence past all thresholds."""
     must_exceed = max(max_window or 0, kv.quantized_start)
     longest = must_exceed + WARMUP_MARGIN
-    lengths = tuple(longest - 3 * i for i in range(WARMUP_BATCH))
     if max_context is not None and longest + WARMUP_DECODE > max_context:
         raise UnsupportedKVConfig(
             f"the warm-up needs {longest + WARMUP_DECODE} tokens (past the sliding window "
             f"and --quantized-kv-start {kv.quantized_start}) but the plan allows a context "
             f"of {max_context}; lower --quantized-kv-start or raise --max-kv-size"
         )
-    return WarmupSpec(lengths, WARMUP_DECODE, must_exceed)
+    return WarmupSpec(longest, WARMUP_JOINING, WARMUP_DECODE, must_exceed)
 
 
 def summarize(report: list[dict]) -> dict[str, dict[str, Any]]:
@@ -145,7 +151,7 @@ def verify_warmup(
         )
     return {
         "sequence_tokens": sequence_tokens,
-        "batch_size": len(spec.prompt_lengths),
+        "batch_size": spec.batch_size,
         "batch": batch,
         "extracted": extracted,
     }
@@ -237,8 +243,8 @@ def run_warmup(
     t0 = time.monotonic()
     spec = warmup_spec(plan.max_window, kv, max_context)
     filler = list(tokenizer.encode(WARMUP_TEXT)) or [0]
-    prompts = [(filler * (n // len(filler) + 1))[:n] for n in spec.prompt_lengths]
-    run = runner.warm_up(prompts, spec.max_tokens, plan.make_cache)
+    first, *joining = [(filler * (n // len(filler) + 1))[:n] for n in (spec.long, *spec.joining)]
+    run = runner.warm_up(first, joining, spec.max_tokens, plan.make_cache)
     try:
         report = verify_warmup(
             kv, len(plan.kv_layers), run.batch_report, run.longest_report, run.longest, spec
