@@ -433,8 +433,9 @@ def paged_attention(
     one): the model's own mask, laid out for a padded batch, does not apply,
     so only None and "causal" are accepted. On the CPU with the native
     kernels, few query rows (decode) read the blocks in place through the
-    tables (`kernels.paged_attention`). Raw K/V are gathered for groups of
-    rows of similar length and attended with `mx.fast` (`_paged_raw_grouped`).
+    tables (`kernels.paged_attention`), packed or raw alike. Otherwise raw
+    K/V are gathered for groups of rows of similar length and attended with
+    `mx.fast` (`_paged_raw_grouped`).
     Otherwise (quantized prefill chunks, Metal and any other backend) each
     row's blocks are gathered into a contiguous copy of that row only and
     attended with `quantized_attention`: nothing is padded to the longest row.
@@ -447,7 +448,7 @@ def paged_attention(
     B, n_q, L, D = queries.shape
     n_kv = keys.pool.shape[2]
     n_rep = n_q // n_kv
-    if keys.quantized and values.quantized and n_rep * L < _DEQUANT_ROWS and _native():
+    if n_rep * L < _DEQUANT_ROWS and _native() and _native_reads(keys, values):
         q = queries.astype(mx.float32) * scale
         if keys.rotated:
             q = rotate(q)
@@ -467,6 +468,15 @@ def paged_attention(
             m = _position_mask(L, base, end, keys.window)
         out.append(quantized_attention(queries[b : b + 1], k, v, scale, m, sinks))
     return out[0] if B == 1 else mx.concatenate(out, axis=0)
+
+
+def _native_reads(keys: PagedKV, values: PagedKV) -> bool:
+    """Whether the native paged kernel takes these pools: both packed, or both
+    raw with head dimensions its vector loops divide (keys by 16, values by 8)."""
+    if keys.quantized or values.quantized:
+        return keys.quantized and values.quantized
+    dk, dv = keys.pool.shape[-1], values.pool.shape[-1]
+    return dk % 16 == 0 and dv % 8 == 0 and max(dk, dv) <= 512
 
 
 def _row_groups(blocks: list[int], slack: float = _GROUP_SLACK) -> list[list[int]]:

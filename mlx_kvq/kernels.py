@@ -126,15 +126,21 @@ def paged_attention(
     q: mx.array, keys: PagedKV, values: PagedKV, L: int, sinks: mx.array | None
 ) -> mx.array:
     """float32 attention of `q` (B, H_kv, n_rep * L, Dk), scaled and in the keys'
-    basis, over packed block pools read through the rows' block tables: each
-    row reads only its own blocks (see `PagedKV`). `sinks`: one logit per
-    query head, or None."""
+    basis, over block pools (packed, or both raw) read in place through the
+    rows' block tables: each row reads only its own blocks (see `PagedKV`).
+    `sinks`: one logit per query head, or None."""
     k, v = keys.pool, values.pool
+    if keys.quantized:
+        kparts, kbits, kgs = (k.data, k.scales, k.biases), k.bits, k.group_size
+        vparts, vbits, vgs = (v.data, v.scales, v.biases), v.bits, v.group_size
+    else:  # raw rows: bits 0, the pool in place of its parts
+        kparts, kbits, kgs = (k, k, k), 0, 0
+        vparts, vbits, vgs = (v, v, v), 0, 0
     has_sinks = sinks is not None
     return _module.paged_attention(
-        q, k.data, k.scales, k.biases, v.data, v.scales, v.biases,
+        q, *kparts, *vparts,
         mx.array(keys.tables), mx.array(keys.bases, dtype=mx.int32),
         mx.array(keys.ends, dtype=mx.int32),
         sinks.reshape(-1) if has_sinks else mx.zeros((1,)),
-        L, keys.window or 0, k.bits, k.group_size, v.bits, v.group_size, has_sinks,
+        L, keys.window or 0, kbits, kgs, vbits, vgs, has_sinks,
     )  # fmt: skip

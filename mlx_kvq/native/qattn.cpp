@@ -26,6 +26,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "mlx/array.h"
@@ -478,6 +479,8 @@ mx::array packed_weighted(const mx::array& p, const mx::array& w, const mx::arra
 // computes its scores, a running max and sum, and the weighted values; the
 // ranges are combined as in flash attention. Rows read only their own blocks.
 
+// A layer's block pool: packed rows with their scales and biases, or (bits 0)
+// raw rows of S, read in place.
 struct Pool {
   const uint8_t* w;
   const void* s;
@@ -493,20 +496,38 @@ Pool pool_of(const mx::array& w, const mx::array& s, const mx::array& b) {
       throw std::invalid_argument("kvq native: block pools must be contiguous 4-D arrays");
     }
   }
-  return {reinterpret_cast<const uint8_t*>(w.data<uint32_t>()), s.data<void>(), b.data<void>(),
-          int64_t(w.shape(3)) * 4, int64_t(s.shape(3)), int(w.shape(2)), int(w.shape(1))};
+  return {reinterpret_cast<const uint8_t*>(w.data<void>()), s.data<void>(), b.data<void>(),
+          int64_t(w.shape(3)) * int64_t(w.itemsize()), int64_t(s.shape(3)), int(w.shape(2)),
+          int(w.shape(1))};
+}
+
+// Row r of a pool as float32: dequantized into `row`, or (raw float32) in place.
+template <int bits, typename S>
+inline const float* pool_row(const Pool& p, int64_t r, int D, int gs, float* row) {
+  if constexpr (bits == 0) {
+    const S* src = reinterpret_cast<const S*>(p.w + r * p.w_row);
+    if constexpr (std::is_same_v<S, float>) {
+      return src;
+    } else {
+      for (int i = 0; i < D; ++i) row[i] = to_float(src[i]);
+      return row;
+    }
+  } else {
+    const S* sc = static_cast<const S*>(p.s);
+    const S* bi = static_cast<const S*>(p.b);
+    dequantize_row<bits, S>(p.w + r * p.w_row, sc + r * p.s_row, bi + r * p.s_row, D, gs, row);
+    return row;
+  }
 }
 
 template <int bits, typename S>
 KVQ_CLONES void paged_scores(const float* q, int M, int D, const Pool& k, int h, const int32_t* table,
                              int base, int p0, int p1, int gs, float* out) {
-  alignas(32) float row[512];
-  const S* sc = static_cast<const S*>(k.s);
-  const S* bi = static_cast<const S*>(k.b);
+  alignas(32) float buf[512];
   for (int p = p0; p < p1; ++p) {
     int rel = p - base;
     int64_t r = (int64_t(table[rel / k.block]) * k.block + rel % k.block) * k.heads + h;
-    dequantize_row<bits, S>(k.w + r * k.w_row, sc + r * k.s_row, bi + r * k.s_row, D, gs, row);
+    const float* row = pool_row<bits, S>(k, r, D, gs, buf);
     for (int m = 0; m < M; ++m) {
       const float* qm = q + size_t(m) * D;
       f8 a0 = {}, a1 = {};
@@ -522,14 +543,12 @@ KVQ_CLONES void paged_scores(const float* q, int M, int D, const Pool& k, int h,
 template <int bits, typename S>
 KVQ_CLONES void paged_weighted(const float* pr, int M, int D, const Pool& v, int h,
                                const int32_t* table, int base, int p0, int p1, int gs, float* acc) {
-  alignas(32) float row[512];
-  const S* sc = static_cast<const S*>(v.s);
-  const S* bi = static_cast<const S*>(v.b);
+  alignas(32) float buf[512];
   int n = p1 - p0;
   for (int p = p0; p < p1; ++p) {
     int rel = p - base;
     int64_t r = (int64_t(table[rel / v.block]) * v.block + rel % v.block) * v.heads + h;
-    dequantize_row<bits, S>(v.w + r * v.w_row, sc + r * v.s_row, bi + r * v.s_row, D, gs, row);
+    const float* row = pool_row<bits, S>(v, r, D, gs, buf);
     for (int m = 0; m < M; ++m) {
       float pm0 = pr[size_t(m) * n + (p - p0)];
       if (pm0 == 0.0f) continue;
@@ -546,6 +565,7 @@ template <typename S>
 void paged_scores_bits(int bits, const float* q, int M, int D, const Pool& k, int h,
                        const int32_t* t, int base, int p0, int p1, int gs, float* out) {
   switch (bits) {
+    case 0: return paged_scores<0, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
     case 2: return paged_scores<2, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
     case 3: return paged_scores<3, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
     case 4: return paged_scores<4, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
@@ -560,6 +580,7 @@ template <typename S>
 void paged_weighted_bits(int bits, const float* p, int M, int D, const Pool& v, int h,
                          const int32_t* t, int base, int p0, int p1, int gs, float* acc) {
   switch (bits) {
+    case 0: return paged_weighted<0, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
     case 2: return paged_weighted<2, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
     case 3: return paged_weighted<3, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
     case 4: return paged_weighted<4, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
@@ -686,7 +707,7 @@ class PagedAttention : public mx::Primitive {
     for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
     enc.dispatch([inputs, out, p = p_]() mutable {
-      auto dt = inputs[2].dtype();
+      auto dt = (p.kbits == 0 ? inputs[1] : inputs[2]).dtype();  // raw rows, or scales
       if (dt == mx::float16) {
         run_paged<mx::float16_t>(p, inputs, out);
       } else if (dt == mx::bfloat16) {
@@ -722,19 +743,32 @@ mx::array paged_attention(const mx::array& q, const mx::array& kw, const mx::arr
       bases.dtype() != mx::int32 || ends.dtype() != mx::int32) {
     throw std::invalid_argument("kvq native: q (B,H,M,D), int32 tables (B,T), bases and ends (B)");
   }
-  if (ks.dtype() != vs.dtype() || kb.dtype() != ks.dtype() || vb.dtype() != vs.dtype()) {
-    throw std::invalid_argument("kvq native: key and value scales must share a dtype");
-  }
-  for (int bits : {kbits, vbits}) {
-    if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
-      throw std::invalid_argument("kvq native: bits must be 2, 3, 4, 5, 6 or 8");
+  int Dk, Dv;
+  if (kbits == 0 || vbits == 0) {  // raw pools: rows of float32, float16 or bfloat16
+    Dk = kw.shape(3), Dv = vw.shape(3);
+    auto dt = kw.dtype();
+    if (kbits != vbits || vw.dtype() != dt ||
+        (dt != mx::float32 && dt != mx::float16 && dt != mx::bfloat16)) {
+      throw std::invalid_argument("kvq native: raw key and value pools must share a float dtype");
     }
-  }
-  int Dk = ks.shape(3) * kgs, Dv = vs.shape(3) * vgs;
-  if (q.shape(3) != Dk || Dk > 512 || Dv > 512 || kgs % 16 || vgs % 16 ||
-      int64_t(kw.shape(3)) * 32 != int64_t(Dk) * kbits ||
-      int64_t(vw.shape(3)) * 32 != int64_t(Dv) * vbits || q.shape(2) % L) {
-    throw std::invalid_argument("kvq native: paged shapes do not match bits and group sizes");
+    if (q.shape(3) != Dk || Dk > 512 || Dv > 512 || Dk % 16 || Dv % 8 || q.shape(2) % L) {
+      throw std::invalid_argument("kvq native: raw paged shapes unsupported");
+    }
+  } else {
+    if (ks.dtype() != vs.dtype() || kb.dtype() != ks.dtype() || vb.dtype() != vs.dtype()) {
+      throw std::invalid_argument("kvq native: key and value scales must share a dtype");
+    }
+    for (int bits : {kbits, vbits}) {
+      if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+        throw std::invalid_argument("kvq native: bits must be 0, 2, 3, 4, 5, 6 or 8");
+      }
+    }
+    Dk = ks.shape(3) * kgs, Dv = vs.shape(3) * vgs;
+    if (q.shape(3) != Dk || Dk > 512 || Dv > 512 || kgs % 16 || vgs % 16 ||
+        int64_t(kw.shape(3)) * 32 != int64_t(Dk) * kbits ||
+        int64_t(vw.shape(3)) * 32 != int64_t(Dv) * vbits || q.shape(2) % L) {
+      throw std::invalid_argument("kvq native: paged shapes do not match bits and group sizes");
+    }
   }
   mx::Shape shape = {q.shape(0), q.shape(1), q.shape(2), Dv};
   PagedParams p{L, window, kbits, kgs, vbits, vgs, has_sinks};
@@ -765,5 +799,6 @@ NB_MODULE(_native, m) {
   m.def("paged_attention", &paged_attention, "q"_a, "kw"_a, "ks"_a, "kb"_a, "vw"_a, "vs"_a,
         "vb"_a, "tables"_a, "bases"_a, "ends"_a, "sinks"_a, "L"_a, "window"_a, "kbits"_a,
         "kgs"_a, "vbits"_a, "vgs"_a, "has_sinks"_a,
-        "float32 attention of q (B, H, M, Dk) over block pools read through block tables");
+        "float32 attention of q (B, H, M, Dk) over block pools read through block tables "
+        "(bits 0: raw pools, passed as kw/ks/kb and vw/vs/vb alike)");
 }
