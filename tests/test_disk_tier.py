@@ -272,6 +272,7 @@ def test_a_shared_prefix_is_written_once_and_a_diverging_prompt_maps_its_chunks(
     _stop(reference)
     first = _engine(models, "llama", tmp_path)
     _ask(first, one)
+    assert first.disk.flush()  # the writer runs beside the engine: count once it is done
     stats = first.disk.stats()
     digests = chain_digests(first.disk.directory.fp.root, one + _ask(first, one).tokens, CHUNK)
     _stop(first)

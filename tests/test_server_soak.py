@@ -1,4 +1,4 @@
-"""Soak: 300 sequential multi-turn chat requests with `--prompt-cache-bytes` set.
+"""Soak: 120 sequential multi-turn chat requests with `--prompt-cache-bytes` set.
 
 All through HTTP. After every request (an idle point) the prompt-cache bytes
 reported by /metrics are within the cap, the KV bytes held by live sequences
@@ -15,7 +15,7 @@ import pytest
 from kvq_testing.server import ServerProcess
 from kvq_testing.tiny import save_tiny_model
 
-REQUESTS = 300
+REQUESTS = 120
 TURNS = 5  # turns per conversation
 CAP = 160_000  # bytes: a few conversations' worth, so eviction is exercised
 MEMORY_SLACK = 4 * 2**20  # allocator granularity and small transient buffers
