@@ -273,8 +273,10 @@ def test_mlx_lms_own_quantized_cache_through_the_redirect():
     sdist) with the redirect installed: its `QuantizedKVCache` hands out
     lists (`mx.quantize`'s return type), which fell through to `mx.fast`
     and raised TypeError. They go to mlx-lm's own function: bit for bit."""
-    from mlx_lm.models.base import scaled_dot_product_attention
     from mlx_lm.models.cache import KVCache
+
+    attention.install()  # as planning a model does (this file may run first in its worker)
+    from mlx_lm.models.base import scaled_dot_product_attention
 
     assert scaled_dot_product_attention is attention.scaled_dot_product_attention
     key = iter(mx.random.split(mx.random.key(3), 5))

@@ -85,7 +85,6 @@ def converted(name: str) -> Path:
 
 
 @functools.cache
-@functools.cache
 def loaded(name: str):
     """(model, tokenizer) of a converted real model, loaded once per session and
     set up for the backend as the commands set it up (`compute.prepare`)."""
