@@ -108,14 +108,16 @@ def choose_layout(plan: Any, block_size: int | None) -> Layout:
 
 @dataclass(frozen=True)
 class WarmupRun:
-    """What the warm-up batch left: the batch's cache report at its last step,
-    the report of its longest sequence's extracted cache and that sequence's
-    length, and the width of the model's logits."""
+    """What the warm-up batch left: the batch's cache report at its last step
+    with the long sequence, the report of that sequence's extracted cache and
+    its length, the width of the model's logits, and the most sequences that
+    decoded in one step."""
 
     batch_report: list
     longest_report: list
     longest: int
     vocab: int
+    rows: int
 
 
 @dataclass(frozen=True)
@@ -307,14 +309,15 @@ class BatchRunner:
     def warm_up(
         self,
         first: list[int],
+        first_tokens: int,
         joining: list[list[int]],
         max_tokens: int,
         make_cache: Callable[[], list],
     ) -> WarmupRun:
-        """Run `first` greedily through the batch and, once it decodes, insert
-        `joining` together (right-padded, then merged into the running batch),
-        `max_tokens` each and twice that for `first`, so all decode together
-        (no EOS: every step runs), as requests go."""
+        """Run `first` greedily through the batch for `first_tokens` and, once
+        it decodes, insert `joining` together (right-padded, then merged into
+        the running batch) for `max_tokens` each (no EOS: every step runs), as
+        requests go."""
 
         def insert(prompts: list[list[int]], n: int) -> list[int]:
             return self._bg.insert(
@@ -325,13 +328,14 @@ class BatchRunner:
                 stop_sequences=[StopSequences()] * len(prompts),
             )
 
-        uids = list(insert([first], 2 * max_tokens))
+        uids = list(insert([first], first_tokens))
         waiting = joining
         batch_report: list[dict] = []
         finished: dict[int, tuple[list, int]] = {}
-        vocab = 0
+        vocab = rows = 0
         while len(finished) < len(uids):
             _, responses = self._bg.next()
+            rows = max(rows, len(responses))
             for r in responses:
                 vocab = r.logprobs.shape[-1]
                 if r.finish_reason is not None:
@@ -342,7 +346,7 @@ class BatchRunner:
                 uids += insert(waiting, max_tokens)
                 waiting = []
         longest_cache, longest = max(finished.values(), key=lambda x: x[1])
-        return WarmupRun(batch_report, cache_report(longest_cache), longest, vocab)
+        return WarmupRun(batch_report, cache_report(longest_cache), longest, vocab, rows)
 
     def warm_up_lane(
         self, prompt: list[int], cache: list, num_draft_tokens: int, want: int

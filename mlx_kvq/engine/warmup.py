@@ -32,7 +32,7 @@ from .coordinator import WarmupVerdict
 log = logging.getLogger("mlx_kvq.engine")
 
 WARMUP_JOINING = (16, 13)  # short prompts that join the long one together: padding and merge
-WARMUP_DECODE = 4  # decode steps after each prompt: exercises in-place window writes
+WARMUP_DECODE = 2  # tokens each short prompt generates (the long one twice that): in-place writes
 WARMUP_MARGIN = 8  # tokens beyond the furthest threshold
 
 
@@ -93,25 +93,31 @@ class Readiness:
 class WarmupSpec:
     long: int  # the first prompt's length: past every threshold
     joining: tuple[int, ...]  # prompts inserted together once the first decodes
-    max_tokens: int
+    max_tokens: int  # tokens each joining prompt generates
     must_exceed: int  # tokens a sequence must pass: window and quantized start
 
     @property
     def batch_size(self) -> int:
         return 1 + len(self.joining)
 
+    @property
+    def first_tokens(self) -> int:
+        """Tokens the long prompt generates: enough to decode beside the others."""
+        return 2 * self.max_tokens
+
 
 def warmup_spec(max_window: int | None, kv: KVConfig, max_context: int | None) -> WarmupSpec:
     """Prompt lengths that carry every sequence past all thresholds."""
     must_exceed = max(max_window or 0, kv.quantized_start)
     longest = must_exceed + WARMUP_MARGIN
-    if max_context is not None and longest + WARMUP_DECODE > max_context:
+    spec = WarmupSpec(longest, WARMUP_JOINING, WARMUP_DECODE, must_exceed)
+    if max_context is not None and longest + spec.first_tokens > max_context:
         raise UnsupportedKVConfig(
-            f"the warm-up needs {longest + WARMUP_DECODE} tokens (past the sliding window "
+            f"the warm-up needs {longest + spec.first_tokens} tokens (past the sliding window "
             f"and --quantized-kv-start {kv.quantized_start}) but the plan allows a context "
             f"of {max_context}; lower --quantized-kv-start or raise --max-kv-size"
         )
-    return WarmupSpec(longest, WARMUP_JOINING, WARMUP_DECODE, must_exceed)
+    return spec
 
 
 def summarize(report: list[dict]) -> dict[str, dict[str, Any]]:
@@ -135,8 +141,10 @@ def verify_warmup(
     extracted_report: list[dict],
     sequence_tokens: int,
     spec: WarmupSpec,
+    rows: int = 1,
 ) -> dict[str, Any]:
-    """Check the warm-up reports; return the readiness report or raise WarmupFailed."""
+    """Check the warm-up reports; return the readiness report (`batch_size`:
+    the most sequences that decoded in one step, `rows`) or raise WarmupFailed."""
     batch, extracted = summarize(batch_report), summarize(extracted_report)
     problems = []
     if sequence_tokens <= spec.must_exceed:
@@ -151,7 +159,7 @@ def verify_warmup(
         )
     return {
         "sequence_tokens": sequence_tokens,
-        "batch_size": spec.batch_size,
+        "batch_size": rows,
         "batch": batch,
         "extracted": extracted,
     }
@@ -244,10 +252,16 @@ def run_warmup(
     spec = warmup_spec(plan.max_window, kv, max_context)
     filler = list(tokenizer.encode(WARMUP_TEXT)) or [0]
     first, *joining = [(filler * (n // len(filler) + 1))[:n] for n in (spec.long, *spec.joining)]
-    run = runner.warm_up(first, joining, spec.max_tokens, plan.make_cache)
+    run = runner.warm_up(first, spec.first_tokens, joining, spec.max_tokens, plan.make_cache)
     try:
         report = verify_warmup(
-            kv, len(plan.kv_layers), run.batch_report, run.longest_report, run.longest, spec
+            kv,
+            len(plan.kv_layers),
+            run.batch_report,
+            run.longest_report,
+            run.longest,
+            spec,
+            run.rows,
         )
     except WarmupFailed as e:
         log.error("%s", e)
