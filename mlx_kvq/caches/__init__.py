@@ -11,6 +11,8 @@ from .paged import (
     BlockPool,
     KVQPagedFullCache,
     KVQPagedSequence,
+    KVQPagedSplitCache,
+    KVQPagedSplitSequence,
     KVQPagedWindowCache,
     PagedCache,
     Pages,
@@ -23,6 +25,7 @@ from .paged.convert import (
     mapped_blocks,
     page_caches,
     pages_slot,
+    split_unpaged,
     unpage_caches,
 )
 from .registry import (
@@ -49,6 +52,8 @@ __all__ = [
     "BlockPool",
     "KVQPagedFullCache",
     "KVQPagedSequence",
+    "KVQPagedSplitCache",
+    "KVQPagedSplitSequence",
     "KVQPagedWindowCache",
     "PagedCache",
     "Pages",
@@ -60,6 +65,7 @@ __all__ = [
     "mapped_blocks",
     "page_caches",
     "pages_slot",
+    "split_unpaged",
     "paging_refusal",
     "unpage_caches",
     "DEQUANTIZED",

@@ -36,6 +36,7 @@ from mlx_kvq.caches import (
     mapped_blocks,
     page_caches,
     paging_refusal,
+    split_unpaged,
     unpage_caches,
 )
 from mlx_kvq.config import PAGED_BLOCK_SIZE
@@ -89,12 +90,16 @@ def choose_layout(plan: Any, block_size: int | None) -> Layout:
     probe = Pages(block_size)
     page_caches(plan.make_cache(), probe)
     kv = len(plan.kv_layers)
-    split = sum(1 for p in plan.kv_layers if p.key_spec.split or p.value_spec.split)
-    why = (
-        f" ({split} in the split layout, which has no paged form: sinks, recent tokens "
-        "and per-channel keys are held per sequence)"
-        if split
-        else ""
+    unpaged: dict[str, list[str]] = {}  # why -> the layers kept padded for it
+    for p in plan.kv_layers:
+        if (p.slot, p.member) not in probe.pools:
+            why = split_unpaged(p.kind, p.window, p.key_spec, p.value_spec, block_size)
+            if why:
+                unpaged.setdefault(why, []).append(str(p.slot))
+    why = "".join(
+        f" ({len(layers)} in the split layout, layer{'s' * (len(layers) > 1)} "
+        f"{', '.join(layers)}: {reason})"
+        for reason, layers in unpaged.items()
     )
     if not probe.pools:
         return Layout(None, frozenset(), f"padded rows: none of its KV layers pages{why}")
