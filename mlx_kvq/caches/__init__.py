@@ -28,6 +28,8 @@ from .paged.convert import (
     split_unpaged,
     unpage_caches,
 )
+from .paged.split import exact_tokens_held
+from .paged.storage import is_split
 from .registry import (
     PROMPT_FILE_CLASSES,
     REGISTRY,
@@ -60,6 +62,8 @@ __all__ = [
     "PagesStats",
     "CACHE",
     "blocks_held",
+    "exact_tokens_held",
+    "is_split",
     "cached_only_bytes",
     "keep_in_prompt_cache",
     "mapped_blocks",

@@ -698,6 +698,13 @@ def add_eval_flags(p: argparse.ArgumentParser) -> None:
         help="context at which bits per element are measured from the bytes held "
         f"(default {HELD_CONTEXT})",
     )
+    p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=0,
+        help="score the paged layout the server uses: the layers that page held in blocks "
+        "of this many tokens (0, the default: each cache's own padded layout)",
+    )
     add_json_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

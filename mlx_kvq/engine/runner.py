@@ -294,11 +294,14 @@ class BatchRunner:
     def live_bytes(self) -> int:
         """KV bytes live sequences hold (batch, lane, draft model), measured;
         with the paged layout, the pool blocks something besides the prompt
-        cache refers to (each block once) and the other layers' caches."""
+        cache refers to (each block once), what paged caches hold beside
+        their pool (`own_nbytes`) and the other layers' caches."""
         lane = self.lane.nbytes if self.lane_busy else 0
         if self.pages is not None:
             batch = [] if self._bg is None else batch_caches(self._bg)
-            own = sum(c.nbytes for c in batch if not getattr(c, "shares_storage", False))
+            own = sum(
+                c.own_nbytes if getattr(c, "shares_storage", False) else c.nbytes for c in batch
+            )
             blocks = sum(p.allocator.live * p.block_bytes for p in self.pages.pools.values())
             return blocks + own + lane
         batch = 0 if self._bg is None else self._bg.prompt_cache_nbytes

@@ -15,7 +15,7 @@ from .base import KVQPagedSequence, PagedBatch, PagedCache
 from .blocks import BlockAllocator, BlockTable, PoolStats
 from .full import KVQPagedFullCache, KVQPagedFullSequence
 from .pool import BlockPool, Pages, PagesStats
-from .split import KVQPagedSplitCache, KVQPagedSplitSequence
+from .split import KVQPagedSplitCache, KVQPagedSplitSequence, exact_tokens_held
 from .storage import BlockStorage, SplitBlockStorage, is_split, split_refusal
 from .window import KVQPagedWindowCache, KVQPagedWindowSequence
 
@@ -37,6 +37,7 @@ __all__ = [
     "PagesStats",
     "PoolStats",
     "SplitBlockStorage",
+    "exact_tokens_held",
     "is_split",
     "split_refusal",
 ]

@@ -34,6 +34,7 @@ from typing import ClassVar
 
 import mlx.core as mx
 
+from ...config import QuantSpec
 from ...quant import SplitKV, SplitRows, scale_dtype
 from .base import KVQPagedSequence, PagedBatch
 from .blocks import BlockTable
@@ -41,6 +42,13 @@ from .pool import BlockPool
 
 Tail = tuple[mx.array | None, mx.array | None]  # a row's exact keys, values (1, H, n, D)
 EMPTY: Tail = (None, None)
+
+
+def exact_tokens_held(block_size: int, key_spec: QuantSpec, value_spec: QuantSpec) -> int:
+    """The most tokens a row holds exact beside its blocks: a tail of fewer
+    than `residual + block_size`, and its sinks."""
+    residual = max(key_spec.residual, value_spec.residual)
+    return residual + block_size - 1 + max(key_spec.sinks, value_spec.sinks)
 
 
 def _tail_len(tail: Tail) -> int:
@@ -198,8 +206,12 @@ class KVQPagedSplitCache(PagedBatch):
 
     @property
     def own_nbytes(self) -> int:
-        """Bytes held outside the pool: the exact tails."""
-        return sum(_tail_bytes(x) for x in self.tails)
+        """Bytes beside the pool's blocks: the exact tails, and the sinks of
+        each row's first block (shared ones counted by each holder)."""
+        return sum(
+            _tail_bytes(x) + _sinks_bytes(self.pool, t)
+            for t, x in zip(self.tables, self.tails, strict=True)
+        )
 
     def empty(self) -> bool:
         return all(n == 0 for n in self._lengths())
@@ -352,7 +364,7 @@ class KVQPagedSplitSequence(KVQPagedSequence):
 
     @property
     def own_nbytes(self) -> int:
-        return _tail_bytes(self.tail)
+        return _tail_bytes(self.tail) + _sinks_bytes(self.pool, self.table)
 
     def empty(self) -> bool:
         return self.offset == 0
@@ -404,4 +416,4 @@ class KVQPagedSplitSequence(KVQPagedSequence):
 
 KVQPagedSplitCache.sequence_form = KVQPagedSplitSequence
 
-__all__ = ["KVQPagedSplitCache", "KVQPagedSplitSequence"]
+__all__ = ["KVQPagedSplitCache", "KVQPagedSplitSequence", "exact_tokens_held"]
