@@ -197,10 +197,11 @@ def test_the_layout_pages_split_full_layers_and_says_why_the_others_not(tmp_path
     layout = choose_layout(plan, 32)
     windows = [p.slot for p in plan.kv_layers if p.window is not None]
     assert len(layout.paged) == len(plan.kv_layers) - len(windows)
-    assert "sliding attention in the split layout has no paged form" in layout.description
+    assert "(in the split layout, layer" in layout.description
+    assert ": sliding attention has no paged form)" in layout.description
     layout = choose_layout(plan, 16)
     assert not layout.paged
-    assert "--kv-block-size 16 is not a multiple of --kv-key-group-size 32" in layout.description
+    assert "--kv-block-size 16 is not a multiple of --kv-key-group-size 32: " in layout.description
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +254,8 @@ def test_the_engine_serves_the_split_layout_in_blocks(engine_model):
         assert pools and all(isinstance(p.storage, SplitBlockStorage) for p in pools)
         again = _run(paged, [PREFIX + [17, 18]])
         assert paged.metrics.snapshot().prefix_blocks_reused > 0
+        # what rows hold beside the pool is within what the budget promised them
+        assert paged.budget.bound_misses == 0 and paged.budget.overruns == 0
     finally:
         paged.stop()
     assert got == want and again[0] == want[1]

@@ -557,7 +557,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=PAGED_BLOCK_SIZE,
         help="tokens per block of the paged KV layout (full-attention and sliding-window "
         f"layers held in blocks, shared prompt prefixes held once; default {PAGED_BLOCK_SIZE}); "
-        "0 keeps mlx-lm's left-padded rows",
+        "the split layout's full-attention layers page when a block is whole key groups "
+        "(a multiple of --kv-key-group-size); 0 keeps mlx-lm's left-padded rows",
     )
     p.add_argument(
         "--max-queued-requests",

@@ -96,11 +96,11 @@ def choose_layout(plan: Any, block_size: int | None) -> Layout:
             why = split_unpaged(p.kind, p.window, p.key_spec, p.value_spec, block_size)
             if why:
                 unpaged.setdefault(why, []).append(str(p.slot))
-    why = "".join(
-        f" ({len(layers)} in the split layout, layer{'s' * (len(layers) > 1)} "
-        f"{', '.join(layers)}: {reason})"
+    why = "; ".join(
+        f"layer{'s' * (len(layers) > 1)} {', '.join(layers)}: {reason}"
         for reason, layers in unpaged.items()
     )
+    why = f" (in the split layout, {why})" if why else ""
     if not probe.pools:
         return Layout(None, frozenset(), f"padded rows: none of its KV layers pages{why}")
     return Layout(

@@ -116,7 +116,7 @@ def split_unpaged(kind: str, window, key_spec, value_spec, block_size: int) -> s
     if not is_split(key_spec, value_spec):
         return None
     if window is not None or kind != "full":
-        return f"{kind} attention in the split layout has no paged form"
+        return f"{kind} attention has no paged form"
     return split_refusal(block_size, key_spec, value_spec)
 
 

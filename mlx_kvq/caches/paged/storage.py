@@ -165,14 +165,14 @@ def split_refusal(block_size: int, key_spec: QuantSpec, value_spec: QuantSpec) -
     if key_spec.per_channel and block_size % key_spec.group_size:
         return (
             f"--kv-block-size {block_size} is not a multiple of --kv-key-group-size "
-            f"{key_spec.group_size} (a block must be whole key groups; pass --kv-block-size "
-            f"{key_spec.group_size} to page them)"
+            f"{key_spec.group_size}: a block must be whole key groups, pass --kv-block-size "
+            f"{key_spec.group_size} to page them"
         )
     sinks = max(key_spec.sinks, value_spec.sinks)
     if sinks >= block_size:
         return (
-            f"--kv-sinks {sinks} does not fit in a block of {block_size} tokens "
-            "(--kv-block-size): the sinks are held beside the first block"
+            f"--kv-sinks {sinks} does not fit in a block of --kv-block-size {block_size} "
+            "tokens: the sinks are held beside the first block"
         )
     return None
 
