@@ -551,17 +551,13 @@ def split_rows_attention(
     out = []
     for b in range(B):
         head, first, end = keys.heads[b], keys.firsts[b], keys.ends[b]
-        shadow = keys.shadows[b] if keys.shadows else 0
         m = None
-        if L > 1 or shadow or (keys.window is not None and first < end - keys.window):
+        if L > 1 or (keys.window is not None and first < end - keys.window):
             pos = keys.positions(b)[None]
             q = mx.arange(end - L, end)[:, None]
             m = pos <= q
             if keys.window is not None:
                 m = m & ((pos > q - keys.window) | (mx.arange(pos.size)[None] < head))
-            if shadow:
-                slot = mx.arange(pos.size)[None]
-                m = m & ((slot < head) | (slot >= head + shadow))
         out.append(quantized_attention(queries[b : b + 1], keys.rows[b], values.rows[b],
                                        scale, m, sinks))  # fmt: skip
     return out[0] if B == 1 else mx.concatenate(out, axis=0)

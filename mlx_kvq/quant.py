@@ -166,17 +166,13 @@ class SplitRows:
     then the run `[firsts[b], ends[b])`. Its queries are the last positions
     before `ends[b]`; they see the keys at or before their own position, the
     head always and the rest within `window` positions when a window is set
-    (the mask is derived from positions, as for `PagedKV`). `shadows[b]`:
-    that many keys right after the head are hidden from every query (the
-    paged split form's body slots under its exact sinks, which repeat the
-    head's positions)."""
+    (the mask is derived from positions, as for `PagedKV`)."""
 
     rows: tuple[SplitKV, ...]
     heads: tuple[int, ...]
     firsts: tuple[int, ...]
     ends: tuple[int, ...]
     window: int | None = None
-    shadows: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

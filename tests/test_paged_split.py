@@ -215,7 +215,8 @@ def _engine(loaded, kv, block_size):
     plan = plan_kv(model, kv, batch=True)
     eng = Engine(
         model, tokenizer, plan, kv,
-        EngineOptions(block_size=block_size, max_context=plan.max_context, prompt_cache_size=8),
+        EngineOptions(block_size=block_size, max_context=plan.max_context, prompt_cache_size=8,
+                      kv_cache_memory=64 << 20),
     )  # fmt: skip
     eng.start()
     assert eng.readiness.ready_event.wait(WAIT_S)

@@ -23,9 +23,10 @@ tokens (the sinks' slots are quantized as copies of the first token after
 them and never read). A block size of several groups keeps up to a block
 more tokens exact.
 
-Attention receives `SplitRows`: per row the sinks, the gathered blocks (a
-copy of the row's packed blocks, not dequantized) and the tail, with the
-body's slots under the sinks hidden (`shadows`).
+Attention receives `SplitRows`: per row a head (the sinks, and the rest of
+the first key group dequantized), the gathered blocks after it (a copy of
+the row's packed blocks, not dequantized) and the tail, one run of
+positions (no mask for a decode step).
 """
 
 from __future__ import annotations
@@ -154,17 +155,40 @@ def trim(pool: BlockPool, table: BlockTable, tail: Tail, n: int) -> tuple[Tail, 
     return _cut((k, v), 0, keep), n
 
 
+def _first(sink: mx.array, body, cut: int) -> mx.array:
+    """The head a row hands attention: its exact sinks, then the rest of its
+    first `cut` tokens as stored (dequantized: a group's worth, per step)."""
+    first = body[..., :cut, :] if isinstance(body, mx.array) else body.tokens(0, cut)
+    if not isinstance(first, mx.array):
+        first = first.dequantize(mx.float32)
+    s = sink.shape[2]
+    return mx.concatenate([sink.astype(first.dtype), first[..., s:, :]], axis=2)
+
+
+def _after(body, cut: int):
+    n = body.shape[2]
+    if n == cut:
+        return None
+    return body[..., cut:, :] if isinstance(body, mx.array) else body.tokens(cut, n)
+
+
 def row_kv(pool: BlockPool, table: BlockTable, tail: Tail) -> tuple[SplitKV, SplitKV, int]:
-    """A row's keys and values as `SplitKV` (sinks, gathered blocks, tail) and
-    the number of body slots the sinks shadow."""
+    """A row's keys and values as `SplitKV` (head, gathered blocks, tail) and
+    the head's length. With sinks the head is the first key group (a token,
+    for per-token keys, past the sinks): the exact sinks and the group's
+    other tokens dequantized, so attention reads one run of positions and
+    never the quantized slots under the sinks."""
     hk = hv = bk = bv = None
     if table.ids:
-        bk, bv = pool.storage.body(table.ids)
-        sink = pool.storage.sinks.get(table.ids[0])
+        st = pool.storage
+        bk, bv = st.body(table.ids)
+        sink = st.sinks.get(table.ids[0])
         if sink is not None:
-            hk, hv = sink
-    shadow = 0 if hk is None else hk.shape[2]
-    return SplitKV(hk, bk, tail[0]), SplitKV(hv, bv, tail[1]), shadow
+            cut = st.key_spec.group_size if st.key_spec.per_channel else sink[0].shape[2]
+            hk, hv = _first(sink[0], bk, cut), _first(sink[1], bv, cut)
+            bk, bv = _after(bk, cut), _after(bv, cut)
+    head = 0 if hk is None else hk.shape[2]
+    return SplitKV(hk, bk, tail[0]), SplitKV(hv, bv, tail[1]), head
 
 
 class KVQPagedSplitCache(PagedBatch):
@@ -237,14 +261,14 @@ class KVQPagedSplitCache(PagedBatch):
     def _view(self, ends: list[int]) -> tuple[SplitRows, SplitRows]:
         ks, vs, heads = [], [], []
         for t, tail in zip(self.tables, self.tails, strict=True):
-            k, v, shadow = row_kv(self.pool, t, tail)
+            k, v, head = row_kv(self.pool, t, tail)
             ks.append(k)
             vs.append(v)
-            heads.append(shadow)
-        firsts = (0,) * len(ks)
+            heads.append(head)
+        heads = tuple(heads)  # one run of positions: the head, then the rest
         return (
-            SplitRows(tuple(ks), tuple(heads), firsts, tuple(ends), None, tuple(heads)),
-            SplitRows(tuple(vs), tuple(heads), firsts, tuple(ends), None, tuple(heads)),
+            SplitRows(tuple(ks), heads, heads, tuple(ends)),
+            SplitRows(tuple(vs), heads, heads, tuple(ends)),
         )
 
     def keys_and_values(self):
@@ -390,14 +414,10 @@ class KVQPagedSplitSequence(KVQPagedSequence):
     def held(self) -> tuple[mx.array, mx.array]:
         """Every token it holds, `(1, H, n, D)` arrays (the blocks dequantized,
         the sinks and tail exact): for caches of another layout."""
-        k, v, shadow = row_kv(self.pool, self.table, self.tail)
+        k, v, _ = row_kv(self.pool, self.table, self.tail)
         dtype = self.tail[0].dtype if self.pool.storage.keys is None else None
         dtype = dtype or self.pool.storage.exact_dtype
-        keys, values = k.dequantize(dtype), v.dequantize(dtype)
-        if shadow:  # the body's slots under the sinks
-            keep = mx.concatenate([mx.arange(shadow), mx.arange(2 * shadow, keys.shape[2])])
-            keys, values = keys[..., keep, :], values[..., keep, :]
-        return keys, values
+        return k.dequantize(dtype), v.dequantize(dtype)
 
     @classmethod
     def merge(cls, caches: list[KVQPagedSplitSequence]) -> KVQPagedSplitCache:
