@@ -14,14 +14,15 @@ A row holds positions `[0, length)` as
   block in the pool (shared with it) once that block is written (before,
   they are in the tail).
 
-Against the padded split cache (`caches/split.py`) the same tokens are exact
-at every step when the block size is the key group size (at least
-`residual` newest, fewer than `residual + group`), but the body's groups
-start at position 0 (blocks are aligned to positions, as the prefix hashes
-are) instead of after the sinks: the first group holds `group - sinks` real
-tokens (the sinks' slots are quantized as copies of the first token after
-them and never read). A block size of several groups keeps up to a block
-more tokens exact.
+Against the padded split cache (`caches/split.py`): both keep at least the
+`residual` newest tokens exact, and without sinks, in blocks of one key
+group, they hold the same tokens exact in the same groups (the same
+logits). With sinks the body's groups here start at position 0 (blocks are
+aligned to positions, as the prefix hashes are) instead of after the
+sinks: the first group holds `group - sinks` real tokens (the sinks' slots
+are quantized as copies of the first token after them and never read),
+and which tokens are exact shifts by up to a group. A block size of
+several groups keeps up to a block more tokens exact.
 
 Attention receives `SplitRows`: per row a head (the sinks, and the rest of
 the first key group dequantized), the gathered blocks after it (a copy of
