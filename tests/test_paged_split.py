@@ -10,6 +10,7 @@ from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
 from mlx_lm.models import llama
 
+from mlx_kvq import evaluate as ev
 from mlx_kvq.attention import count_attention
 from mlx_kvq.caches import (
     KVQPagedSplitCache,
@@ -260,3 +261,18 @@ def test_the_engine_serves_the_split_layout_in_blocks(engine_model):
     finally:
         paged.stop()
     assert got == want and again[0] == want[1]
+
+
+def test_eval_scores_the_paged_form():
+    """`eval --kv-block-size`: the layers that page are scored in blocks, and
+    without sinks they score what the padded split cache scores."""
+    model = _tiny()
+    tokens = TOKENS[0].tolist() * 2
+    cfg = _cfg(0)
+    kw = dict(context=120, chunk=16, windows=2, progress=False, decode=8, held_context=None)
+    padded, paged = (
+        ev.evaluate_many(model, tokens, [cfg], block_size=b, **kw)[0] for b in (None, 32)
+    )
+    assert padded["paged_layers"] == 0 and paged["paged_layers"] == 2
+    assert paged["kl_mean"] == pytest.approx(padded["kl_mean"], rel=1e-5)
+    assert paged["top1"] == padded["top1"]
