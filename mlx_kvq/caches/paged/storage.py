@@ -313,7 +313,7 @@ class SplitBlockStorage:
 
             def one(a: mx.array) -> mx.array:  # (n, bs, H, D') -> (1, H, n * bs, D')
                 g = a[ix]
-                return mx.contiguous(g.reshape(-1, *g.shape[2:]).transpose(1, 0, 2)[None])
+                return g.reshape(-1, *g.shape[2:]).transpose(1, 0, 2)[None]  # read strided
 
         parts = [one(a) for a in store.parts]
         if len(parts) == 1:
