@@ -46,10 +46,11 @@ def _page_leaf(cache, key: tuple[int, int | None], pages: Pages, account: Accoun
         return cache
     if not pages_slot(cache):
         return cache
-    window = lookup(cache).window(cache)
+    kind = lookup(cache)
+    window = kind.window(cache)
     if is_split(cache.key_spec, cache.value_spec):
-        if window is not None or split_refusal(pages.block_size, cache.key_spec, cache.value_spec):
-            return cache  # kept padded: `split_unpaged` says why
+        if split_unpaged(kind.name, window, cache.key_spec, cache.value_spec, pages.block_size):
+            return cache  # kept padded, for the reason the layout reports
         pool = pages.pool(key, cache.key_spec, cache.value_spec)
         paged = KVQPagedSplitSequence(pool)
         paged.table.hold_for(account)
