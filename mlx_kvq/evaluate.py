@@ -41,6 +41,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
+from .caches import KVQPagedSequence, PagedCache, Pages, page_caches
 from .config import KVConfig
 from .generate import get_plan
 
@@ -86,10 +87,22 @@ def _spans(n: int, chunk: int, decode: int) -> list[tuple[int, int]]:
     return spans + [(s, s + 1) for s in range(head, n)]
 
 
-def _make_cache(model: nn.Module, cfg: KVConfig) -> list:
+def _make_cache(model: nn.Module, cfg: KVConfig, block_size: int | None = None) -> list:
+    """The caches of `cfg` for one window; with `block_size`, the layers that
+    page in blocks of that many tokens, as the server holds them (a batch of
+    one row over pools of their own)."""
     if not cfg.enabled:
         return mlx_cache.make_prompt_cache(model, max_kv_size=cfg.max_kv_size)
-    return get_plan(model, cfg).make_cache()
+    caches = get_plan(model, cfg).make_cache()
+    if not block_size:
+        return caches
+    return [_as_batch(c) for c in page_caches(caches, Pages(block_size))]
+
+
+def _as_batch(cache):
+    if type(cache) is mlx_cache.CacheList:
+        return mlx_cache.CacheList(*(_as_batch(c) for c in cache.caches))
+    return type(cache).merge([cache]) if isinstance(cache, KVQPagedSequence) else cache
 
 
 def _log_probs(model: nn.Module, x: mx.array, cache: list) -> mx.array:
@@ -114,7 +127,9 @@ def _leaves(caches: list) -> list:
     return out
 
 
-def held_storage(model: nn.Module, cfg: KVConfig, context: int) -> dict:
+def held_storage(
+    model: nn.Module, cfg: KVConfig, context: int, block_size: int | None = None
+) -> dict:
     """Bytes the caches of `cfg` hold after `context` tokens, measured.
 
     The planned caches (mlx-lm's own for an unquantized `cfg`) are filled
@@ -127,7 +142,7 @@ def held_storage(model: nn.Module, cfg: KVConfig, context: int) -> dict:
     cache is 16.0 whatever its layout.
     """
     plan = get_plan(model, cfg)
-    caches = _make_cache(model, cfg)
+    caches = _make_cache(model, cfg, block_size)
     dtype = _model_dtype(model)
     held = elements = 0
     for p, c in zip(plan.layers, _leaves(caches), strict=True):
@@ -147,6 +162,7 @@ def held_storage(model: nn.Module, cfg: KVConfig, context: int) -> dict:
     fp16 = elements * 2
     return {
         "context": context,
+        "paged_layers": sum(isinstance(c, PagedCache) for c in _leaves(caches)),
         "bytes": int(held),
         "fp16_bytes": int(fp16),
         "bits_per_element": 8.0 * held / elements if elements else 16.0,
@@ -195,6 +211,7 @@ def evaluate_many(
     decode: int = 0,
     held_context: int | None = HELD_CONTEXT,
     only_windows: Sequence[int] | None = None,
+    block_size: int | None = None,
 ) -> list[dict]:
     """Measure every setting in `kv_configs` against one unquantized run.
 
@@ -203,8 +220,10 @@ def evaluate_many(
     positions of every window are fed one token at a time, as in decoding
     (in-place ring writes, one-query masks). `only_windows` runs just those
     of the `windows` windows (by index: a cheap slice of a larger run, whose
-    `per_window` values it reproduces). Returns one result dict per setting
-    (see `evaluate`).
+    `per_window` values it reproduces). `block_size`: the settings' layers
+    that page are held in blocks of that many tokens, as the server holds
+    them (`--kv-block-size`; None: each cache's own layout). Returns one
+    result dict per setting (see `evaluate`).
     """
     if isinstance(tokens, mx.array):
         tokens = tokens.reshape(-1).tolist()
@@ -246,7 +265,7 @@ def evaluate_many(
         ids = mx.array(w)
         n = len(w) - 1  # positions with a next token to predict
         base_cache = _make_cache(model, base_cfg)
-        caches = [_make_cache(model, c) for c in cfgs]
+        caches = [_make_cache(model, c, block_size) for c in cfgs]
         w_base = mx.array(0.0, mx.float32)
         w_nll = [mx.array(0.0, mx.float32) for _ in cfgs]
         w_kl: list[list[mx.array]] = [[] for _ in cfgs]
@@ -289,7 +308,7 @@ def evaluate_many(
         lengths = [len(x) for x in kl[i]]
         d = [(a - b) / n for a, b, n in zip(nll[i], base_nll, lengths, strict=True)]
         stats = _summary(kl[i], agree[i], d)
-        held = held_storage(model, c, ctx)
+        held = held_storage(model, c, ctx, block_size)
         result = {
             "setting": c.describe(),
             "kv_config": asdict(c),
@@ -304,13 +323,14 @@ def evaluate_many(
             "ppl": ppl,
             "rel_ppl_change": ppl / ppl_b - 1.0,
             "rel_ppl_change_se": _se(d) * ppl / ppl_b,
+            "paged_layers": held["paged_layers"],
             "bits_per_element_at_context": held["bits_per_element"],
             "kv_bytes_at_context": held["bytes"],
             "seconds": seconds[i],
             "reference_seconds": base_seconds,
         }
         if held_context:
-            at = held if held_context == ctx else held_storage(model, c, held_context)
+            at = held if held_context == ctx else held_storage(model, c, held_context, block_size)
             result.update(
                 held_context=held_context,
                 bits_per_element=at["bits_per_element"],

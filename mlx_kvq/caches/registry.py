@@ -31,6 +31,8 @@ from .indexer import KVQBatchIndexerCache, KVQIndexerCache
 from .paged import (
     KVQPagedFullCache,
     KVQPagedFullSequence,
+    KVQPagedSplitCache,
+    KVQPagedSplitSequence,
     KVQPagedWindowCache,
     KVQPagedWindowSequence,
 )
@@ -61,7 +63,9 @@ class CacheKind:
     # Its K/V can live in block pools (caches/paged/). Kinds that hold
     # little or whose layout attention does not read through block tables
     # keep their own layout: MLA hand-outs and indexers, chunked attention
-    # (llama4's chunk-local mask), deepseek_v41's layer cache, recurrent state.
+    # (llama4's chunk-local mask), deepseek_v41's layer cache, recurrent state,
+    # and the split layout's sliding windows and chunked attention (its paged
+    # form, paged/split.py, is full attention's: blocks never change once full).
     paged: bool = False
     # The twin in the split layout (exact sinks and residual, per-channel keys:
     # caches/split.py), for specs that ask for it; None: this kind has none,
@@ -144,7 +148,9 @@ REGISTRY: dict[type, CacheKind] = {
     KVQIndexRows: CacheKind("indexer", _same),
     PendingRows: CacheKind("state", None),
     KVQDeepseekV41Cache: CacheKind("layer", _same, lambda c: c.window_size, one_sequence=True),
-    KVQSplitCache: CacheKind("full", _same, split=_same),
+    KVQSplitCache: CacheKind("full", _same, paged=True, split=_same),
+    KVQPagedSplitSequence: CacheKind("full", _same, paged=True, split=_same),
+    KVQPagedSplitCache: CacheKind("full", _same, paged=True, split=_same),
     KVQSplitWindowCache: CacheKind("sliding", _same, lambda c: c.max_size, split=_same),
     KVQSplitChunkedCache: CacheKind("chunked", _same, lambda c: c.chunk_size, split=_same),
     KVQSplitBatchCache: CacheKind("full", _same, split=_same),

@@ -32,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     spaces = setting_namespaces(args.setting, args)
+    if args.kv_block_size < 0:
+        raise ValueError("--kv-block-size must be >= 0 (0: each cache's own layout)")
     for ns in spaces:  # refuse a bad setting before the model loads
         kv_config(ns)
     model, _, texts = load_eval_inputs(args.model, args.text, args.dtype)
@@ -42,10 +44,12 @@ def run(args: argparse.Namespace) -> int:
         rs = evaluate_many(
             model, ids, cfgs, context=args.context, chunk=args.chunk, windows=args.windows,
             bos=bos, progress=False if args.no_progress else None, decode=args.decode,
-            held_context=args.held_context,
+            held_context=args.held_context, block_size=args.kv_block_size or None,
         )  # fmt: skip
         per_text.append([{"text": name, **r} for r in rs])
-    shared = ("setting", "kv_config", "bits_per_element", "held_context", "kv_bytes")
+    shared = (
+        "setting", "kv_config", "bits_per_element", "held_context", "kv_bytes", "paged_layers",
+    )  # fmt: skip
     settings = []
     for i in range(len(cfgs)):
         results = [rs[i] for rs in per_text]
@@ -80,9 +84,10 @@ def run(args: argparse.Namespace) -> int:
     )
     for s, rows in zip(settings, zip(*per_text, strict=True), strict=True):
         held = s.get("held_context", r0["context"])
+        paged = f"; {s['paged_layers']} KV layers paged" if args.kv_block_size else ""
         print(
             f"\nKV {s['setting']}: {s['bits_per_element']:.2f} bits per element held at "
-            f"{held} tokens; {s['seconds']:.1f} s"
+            f"{held} tokens{paged}; {s['seconds']:.1f} s"
         )
         print(format_text_table(rows))
     print(f"\n{report['seconds']:.1f} s in all")

@@ -557,7 +557,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=PAGED_BLOCK_SIZE,
         help="tokens per block of the paged KV layout (full-attention and sliding-window "
         f"layers held in blocks, shared prompt prefixes held once; default {PAGED_BLOCK_SIZE}); "
-        "0 keeps mlx-lm's left-padded rows",
+        "the split layout's full-attention layers page when a block is whole key groups "
+        "(a multiple of --kv-key-group-size); 0 keeps mlx-lm's left-padded rows",
     )
     p.add_argument(
         "--max-queued-requests",
@@ -697,6 +698,13 @@ def add_eval_flags(p: argparse.ArgumentParser) -> None:
         default=HELD_CONTEXT,
         help="context at which bits per element are measured from the bytes held "
         f"(default {HELD_CONTEXT})",
+    )
+    p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=0,
+        help="score the paged layout the server uses: the layers that page held in blocks "
+        "of this many tokens (0, the default: each cache's own padded layout)",
     )
     add_json_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

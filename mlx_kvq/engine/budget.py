@@ -53,7 +53,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from mlx_kvq.caches import KVQCache, Pages, blocks_held
+from mlx_kvq.caches import KVQCache, Pages, blocks_held, exact_tokens_held, is_split
 from mlx_kvq.config import KVConfig, QuantSpec
 from mlx_kvq.plan import KVPlan, LayerPlan
 
@@ -86,6 +86,9 @@ class SlotCost:
     raw: int  # bytes per token in the model's dtype (before quantized_kv_start)
     paged: bool = False  # held in a block pool (the paged layout)
     key: tuple[int, int | None] = (0, None)  # its (slot, member): the key of its pool
+    # paged split layout: bytes a row holds exact beside its blocks at most
+    # (its tail and its sinks, `exact_tokens_held`), priced as that many more blocks
+    exact_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,12 @@ class CostModel:
             keep = quantized and not p.skipped
             stored = _per_token(p, p.key_spec, p.value_spec) if keep else raw
             key = (p.slot, p.member)
-            slots.append(SlotCost(p.window, stored, raw, key in paged, key))
+            exact = 0
+            if key in paged and keep and is_split(p.key_spec, p.value_spec):
+                tokens = exact_tokens_held(block_size, p.key_spec, p.value_spec)
+                per_token = p.kv_heads * (p.key_dim + p.value_dim) * 2  # held in 16 bits
+                exact = -(-tokens * per_token // (stored * block_size))
+            slots.append(SlotCost(p.window, stored, raw, key in paged, key, exact))
         state = sum(p.state_bytes for p in plan.layers if p.kind == "state")
         return cls(
             tuple(slots), state, plan.config.quantized_start if quantized else 0,
@@ -138,7 +146,7 @@ class CostModel:
         the `cached` it starts from)."""
         chunk = min(self.prefill_step, max(1, shape.prompt - cached)) if prompting else 1
         return {
-            s.key: blocks_held(shape.total, self.block_size, s.window, chunk)
+            s.key: blocks_held(shape.total, self.block_size, s.window, chunk) + s.exact_blocks
             for s in self.slots
             if s.paged
         }
@@ -227,7 +235,8 @@ class CostModel:
         total = self.state_bytes
         for s in self.slots:
             if s.paged:  # an entry keeps what its next token sees (`window.py`)
-                n = blocks_held(tokens, self.block_size, s.window, chunk=0) * self.block_size
+                blocks = blocks_held(tokens, self.block_size, s.window, chunk=0) + s.exact_blocks
+                n = blocks * self.block_size
             else:
                 n = tokens if s.window is None else min(tokens, s.window - 1 + self.prefill_step)
             total += self.slot_bytes(s, n)

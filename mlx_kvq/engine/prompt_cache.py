@@ -45,10 +45,12 @@ def cache_nbytes(cache: list[Any]) -> int:
 
 def storage_nbytes(cache: list[Any]) -> int:
     """Bytes of the caches that hold their own storage (leaves of a block pool,
-    `shares_storage`, are counted with their pool)."""
+    `shares_storage`, are counted with their pool, but for what they hold
+    beside it, `own_nbytes`)."""
     total = 0
     for c in cache:
         if getattr(c, "shares_storage", False):
+            total += c.own_nbytes
             continue
         members = getattr(c, "caches", None)
         total += storage_nbytes(members) if isinstance(members, (list, tuple)) else int(c.nbytes)

@@ -36,6 +36,7 @@ from mlx_kvq.caches import (
     mapped_blocks,
     page_caches,
     paging_refusal,
+    split_unpaged,
     unpage_caches,
 )
 from mlx_kvq.config import PAGED_BLOCK_SIZE
@@ -89,13 +90,17 @@ def choose_layout(plan: Any, block_size: int | None) -> Layout:
     probe = Pages(block_size)
     page_caches(plan.make_cache(), probe)
     kv = len(plan.kv_layers)
-    split = sum(1 for p in plan.kv_layers if p.key_spec.split or p.value_spec.split)
-    why = (
-        f" ({split} in the split layout, which has no paged form: sinks, recent tokens "
-        "and per-channel keys are held per sequence)"
-        if split
-        else ""
+    unpaged: dict[str, list[str]] = {}  # why -> the layers kept padded for it
+    for p in plan.kv_layers:
+        if (p.slot, p.member) not in probe.pools:
+            why = split_unpaged(p.kind, p.window, p.key_spec, p.value_spec, block_size)
+            if why:
+                unpaged.setdefault(why, []).append(str(p.slot))
+    why = "; ".join(
+        f"layer{'s' * (len(layers) > 1)} {', '.join(layers)}: {reason}"
+        for reason, layers in unpaged.items()
     )
+    why = f" (in the split layout, {why})" if why else ""
     if not probe.pools:
         return Layout(None, frozenset(), f"padded rows: none of its KV layers pages{why}")
     return Layout(
@@ -291,11 +296,14 @@ class BatchRunner:
     def live_bytes(self) -> int:
         """KV bytes live sequences hold (batch, lane, draft model), measured;
         with the paged layout, the pool blocks something besides the prompt
-        cache refers to (each block once) and the other layers' caches."""
+        cache refers to (each block once), what paged caches hold beside
+        their pool (`own_nbytes`) and the other layers' caches."""
         lane = self.lane.nbytes if self.lane_busy else 0
         if self.pages is not None:
             batch = [] if self._bg is None else batch_caches(self._bg)
-            own = sum(c.nbytes for c in batch if not getattr(c, "shares_storage", False))
+            own = sum(
+                c.own_nbytes if getattr(c, "shares_storage", False) else c.nbytes for c in batch
+            )
             blocks = sum(p.allocator.live * p.block_bytes for p in self.pages.pools.values())
             return blocks + own + lane
         batch = 0 if self._bg is None else self._bg.prompt_cache_nbytes

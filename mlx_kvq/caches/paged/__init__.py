@@ -5,7 +5,8 @@ sequence's `BlockTable`), `storage.py` (one layer's K/V, block by block),
 `pool.py` (the two together, one per paged layer, and a model's `Pages`),
 `base.py` (what the cache forms share, and the batch mlx-lm's
 `BatchGenerator` drives), `full.py` and `window.py` (the full-attention and
-sliding-window forms: what a row keeps), `convert.py` (one sequence's caches
+sliding-window forms: what a row keeps), `split.py` (the split layout's
+full-attention form: whole quantized blocks, each row's exact tail beside), `convert.py` (one sequence's caches
 into the pools and back; it reads the registry, which declares these forms,
 so the package leaves it out).
 """
@@ -14,7 +15,8 @@ from .base import KVQPagedSequence, PagedBatch, PagedCache
 from .blocks import BlockAllocator, BlockTable, PoolStats
 from .full import KVQPagedFullCache, KVQPagedFullSequence
 from .pool import BlockPool, Pages, PagesStats
-from .storage import BlockStorage
+from .split import KVQPagedSplitCache, KVQPagedSplitSequence, exact_tokens_held
+from .storage import BlockStorage, SplitBlockStorage, is_split, split_refusal
 from .window import KVQPagedWindowCache, KVQPagedWindowSequence
 
 __all__ = [
@@ -25,6 +27,8 @@ __all__ = [
     "KVQPagedFullCache",
     "KVQPagedFullSequence",
     "KVQPagedSequence",
+    "KVQPagedSplitCache",
+    "KVQPagedSplitSequence",
     "KVQPagedWindowCache",
     "KVQPagedWindowSequence",
     "PagedBatch",
@@ -32,4 +36,8 @@ __all__ = [
     "Pages",
     "PagesStats",
     "PoolStats",
+    "SplitBlockStorage",
+    "exact_tokens_held",
+    "is_split",
+    "split_refusal",
 ]

@@ -75,6 +75,11 @@ class PagedCache(BaseCache):
         counted by each holder; the pool counts each block once)."""
         return sum(t.nbytes for t in self.tables)
 
+    @property
+    def own_nbytes(self) -> int:
+        """Bytes it holds outside the pool (none: the split form's exact tails)."""
+        return 0
+
     def empty(self) -> bool:
         return all(t.length == 0 for t in self.tables)
 

@@ -13,10 +13,13 @@ from mlx_lm.models import cache as mlx_cache
 from ..base import PACKED
 from ..full import KVQFullCache
 from ..registry import leaves, lookup
+from ..split import KVQSplitCache
 from ..window import KVQWindowCache
 from .base import KVQPagedSequence
 from .blocks import CACHE, Account, chain_hashes
 from .pool import Pages
+from .split import KVQPagedSplitSequence
+from .storage import is_split, split_refusal
 
 
 def pages_slot(cache) -> bool:
@@ -43,7 +46,17 @@ def _page_leaf(cache, key: tuple[int, int | None], pages: Pages, account: Accoun
         return cache
     if not pages_slot(cache):
         return cache
-    window = lookup(cache).window(cache)
+    kind = lookup(cache)
+    window = kind.window(cache)
+    if is_split(cache.key_spec, cache.value_spec):
+        if split_unpaged(kind.name, window, cache.key_spec, cache.value_spec, pages.block_size):
+            return cache  # kept padded, for the reason the layout reports
+        pool = pages.pool(key, cache.key_spec, cache.value_spec)
+        paged = KVQPagedSplitSequence(pool)
+        paged.table.hold_for(account)
+        if cache.offset:
+            paged.write(*cache.store.dequantize())
+        return paged
     pool = pages.pool(key, cache.key_spec, cache.value_spec, window)
     paged = KVQPagedSequence(pool, window)
     paged.table.hold_for(account)
@@ -97,10 +110,28 @@ def cached_only_bytes(caches: list) -> int:
     return sum(len(ids) * pool.block_bytes for pool, ids in blocks.values())
 
 
+def split_unpaged(kind: str, window, key_spec, value_spec, block_size: int) -> str | None:
+    """Why a layer (of `kind`) in the split layout keeps padded rows under
+    paging in blocks of `block_size` tokens (None: it pages, or it is not
+    in the split layout)."""
+    if not is_split(key_spec, value_spec):
+        return None
+    if window is not None or kind != "full":
+        return f"{kind} attention has no paged form"
+    return split_refusal(block_size, key_spec, value_spec)
+
+
 def _unpage_leaf(cache):
     if not isinstance(cache, KVQPagedSequence):
         return cache
     k, v = cache.key_spec, cache.value_spec
+    if isinstance(cache, KVQPagedSplitSequence):
+        # its exact tokens, and its blocks dequantized: quantized again in the
+        # padded form's groups (which start after the sinks)
+        out = KVQSplitCache(k, v)
+        if cache.offset:
+            out.update_and_fetch(*cache.held())
+        return out
     if cache.table.length == 0:
         if cache.window is None:
             return KVQFullCache(k, v)
@@ -140,5 +171,6 @@ __all__ = [
     "mapped_blocks",
     "page_caches",
     "pages_slot",
+    "split_unpaged",
     "unpage_caches",
 ]

@@ -5,9 +5,11 @@
 specs say; block `b` of every part is one block's K or V. It knows nothing
 of references or tables (`blocks.py`): it grows, writes token slots, copies
 a block, keeps a subset of blocks (compaction) and hands attention views.
-Another storage form (say keys quantized per channel over a block) is
-another class with these methods (`BlockStore`), chosen for a layer's specs
-in `storage_for`, the one place a pool's storage is made.
+Another storage form is another class, chosen for a layer's specs in
+`storage_for`, the one place a pool's storage is made: `SplitBlockStorage`
+holds the split layout's blocks (`mlx_kvq/split.py`; keys per channel over
+whole groups of a block, values per token, a first block's exact sinks
+beside it), written a whole block at a time and never again.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from ...config import QuantSpec
-from ...quant import PagedKV, Store
+from ...quant import PagedKV, QuantizedKV, Store, rotate, scale_dtype
 
 
 class BlockStore(Protocol):
@@ -150,9 +152,196 @@ class BlockStorage:
         return parts[0], parts[1]
 
 
-def storage_for(block_size: int, key_spec: QuantSpec, value_spec: QuantSpec) -> BlockStore:
+def is_split(key_spec: QuantSpec, value_spec: QuantSpec) -> bool:
+    """Whether a layer of these specs is stored in the split layout (the one
+    rule the paged forms and `storage_for` read)."""
+    return key_spec.split or value_spec.split
+
+
+def split_refusal(block_size: int, key_spec: QuantSpec, value_spec: QuantSpec) -> str | None:
+    """Why split-layout specs cannot page in blocks of `block_size` tokens
+    (None: they can): a block must be whole key groups (it is quantized once,
+    when full, and shared as it is) and hold the sinks in its first tokens."""
+    if key_spec.per_channel and block_size % key_spec.group_size:
+        return (
+            f"--kv-block-size {block_size} is not a multiple of --kv-key-group-size "
+            f"{key_spec.group_size}: a block must be whole key groups, pass --kv-block-size "
+            f"{key_spec.group_size} to page them"
+        )
+    sinks = max(key_spec.sinks, value_spec.sinks)
+    if sinks >= block_size:
+        return (
+            f"--kv-sinks {sinks} does not fit in a block of --kv-block-size {block_size} "
+            "tokens: the sinks are held beside the first block"
+        )
+    return None
+
+
+class SplitBlockStorage:
+    """One layer's blocks in the split layout: every block is `block_size`
+    tokens quantized once, when the sequence that wrote it moved past it
+    (exact tokens stay with each sequence, `split.py` of this package).
+
+    Keys per channel (`key_spec.per_channel`) are held channel-major,
+    `(blocks, heads, dim, block_size * bits / 32)` and a scale and bias per
+    channel for each group of the block (whole groups: `split_refusal`);
+    per-token keys and values as `BlockStorage` holds them, `(blocks,
+    block_size, heads, dim')`. `sinks[b]`: the exact first tokens of a
+    sequence, beside its first block `b` (shared with the block; the slots of
+    the block under them are never read)."""
+
+    def __init__(self, block_size: int, key_spec: QuantSpec, value_spec: QuantSpec):
+        refusal = split_refusal(block_size, key_spec, value_spec)
+        if refusal:
+            raise ValueError(f"the split layout cannot page: {refusal}")
+        self.block_size = block_size
+        self.key_spec = key_spec
+        self.value_spec = value_spec
+        self.sink_count = max(key_spec.sinks, value_spec.sinks)
+        self.residual = max(key_spec.residual, value_spec.residual)
+        self.keys: Store | None = None
+        self.values: Store | None = None
+        self.sinks: dict[int, tuple[mx.array, mx.array]] = {}
+        self.blocks = 0
+        self._block_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: every block (used or free) and the sinks beside them."""
+        if self.keys is None:
+            return 0
+        sinks = sum(k.nbytes + v.nbytes for k, v in self.sinks.values())
+        return self.keys.nbytes + self.values.nbytes + sinks
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes if self.blocks else 0
+
+    @property
+    def exact_dtype(self) -> mx.Dtype:
+        """The 16-bit type exact tokens are held in (the scales'), once a block exists."""
+        return (self.keys.parts[1] if self.keys.quantized else self.keys.parts[0]).dtype
+
+    # -- encoding -------------------------------------------------------------
+    def encode(self, keys: mx.array, values: mx.array) -> tuple[Store, Store]:
+        """Whole blocks `keys`/`values` (n, H, block_size, D), exact 16-bit
+        tokens, as stored: `(n, ...)` parts for `write_blocks`."""
+        sd = scale_dtype(keys.dtype)
+        k = self.key_spec
+        if k.per_channel:
+            x = keys.astype(mx.float32)
+            if k.rotation == "hadamard":
+                x = rotate(x)
+            w, s, b = mx.quantize(x.swapaxes(-1, -2), group_size=k.group_size, bits=k.bits)
+            key_store = Store((w, s.astype(sd), b.astype(sd)), k)
+        else:
+            key_store = self._tokens(keys, k, sd)
+        return key_store, self._tokens(values, self.value_spec, sd)
+
+    @staticmethod
+    def _tokens(x: mx.array, spec: QuantSpec, sd: mx.Dtype) -> Store:
+        s = Store.encode(x.astype(mx.float32), spec, sd) if spec.quantized else Store((x,), spec)
+        return s.map(lambda a: a.transpose(0, 2, 1, 3))  # (n, block_size, H, D')
+
+    def bytes_per_block(self, k: Store, v: Store) -> int:
+        """Bytes one block takes, for blocks encoded like `k`/`v`."""
+        return (k.nbytes + v.nbytes) // k.parts[0].shape[0]
+
+    # -- blocks ---------------------------------------------------------------
+    def grow(self, add: int, k: Store, v: Store) -> None:
+        """`add` more (zeroed) blocks, shaped like the blocks of `k`/`v`."""
+
+        def zeros(a: mx.array) -> mx.array:
+            return mx.zeros((add, *a.shape[1:]), a.dtype)
+
+        new_k, new_v = k.map(zeros), v.map(zeros)
+        self._block_bytes = (new_k.nbytes + new_v.nbytes) // add
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = Store.concat([self.keys, new_k], axis=0)
+            self.values = Store.concat([self.values, new_v], axis=0)
+        self.blocks += add
+
+    def release(self) -> None:
+        self.keys = self.values = None
+        self.sinks = {}
+        self.blocks = 0
+
+    def keep(self, blocks: list[int]) -> None:
+        """Keep only `blocks`, in this order (their sinks follow them)."""
+        ids = mx.array(blocks, dtype=mx.int32)
+        self.keys = self.keys.map(lambda a: a[ids])
+        self.values = self.values.map(lambda a: a[ids])
+        self.sinks = {i: self.sinks[b] for i, b in enumerate(blocks) if b in self.sinks}
+        self.blocks = len(blocks)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        raise RuntimeError("split-layout blocks are written once, full, and never copied")
+
+    def write(self, blocks: list[int], slots: list[int], k: Store, v: Store) -> None:
+        raise RuntimeError("split-layout blocks are written whole (write_blocks)")
+
+    def write_blocks(self, ids: list[int], k: Store, v: Store, sinks: dict) -> None:
+        """Blocks `ids` get the encoded blocks `k`/`v` (`encode`), and
+        `sinks` (block -> exact (1, H, S, D) keys and values) beside the first
+        blocks of sequences (a block reused without sinks drops its old ones)."""
+        at = mx.array(ids, dtype=mx.int32)
+        self.keys[at] = k
+        self.values[at] = v
+        for b in ids:
+            self.sinks.pop(b, None)
+        self.sinks.update(sinks)
+
+    def body(self, ids: list[int]) -> tuple:
+        """Blocks `ids` (a row's, oldest first) gathered as one quantized body
+        `(1, H, n, D)` of keys and of values (`QuantizedKV`, or arrays when
+        unquantized): a copy of those blocks, packed as they are."""
+        ix = mx.array(ids, dtype=mx.int32)
+        return self._gather(self.keys, ix, self.key_spec), self._gather(
+            self.values, ix, self.value_spec
+        )
+
+    @staticmethod
+    def _gather(store: Store, ix: mx.array, spec: QuantSpec):
+        if spec.per_channel:
+
+            def one(a: mx.array) -> mx.array:  # (n, H, D, w) -> (1, H, D, n * w)
+                g = a[ix].transpose(1, 2, 0, 3)
+                return mx.contiguous(g.reshape(1, *g.shape[:2], -1))
+        else:
+
+            def one(a: mx.array) -> mx.array:  # (n, bs, H, D') -> (1, H, n * bs, D')
+                g = a[ix]
+                return g.reshape(-1, *g.shape[2:]).transpose(1, 0, 2)[None]  # read strided
+
+        parts = [one(a) for a in store.parts]
+        if len(parts) == 1:
+            return parts[0]
+        return QuantizedKV(*parts, spec.bits, spec.group_size, spec.rotation == "hadamard",
+                           spec.per_channel)  # fmt: skip
+
+    def view(self, tables, bases, ends, window: int | None):
+        raise RuntimeError("split-layout rows are read through their batch (paged/split.py)")
+
+    def gather(self, ids: list[int], base: int, length: int):
+        raise RuntimeError("split-layout rows are read through their batch (paged/split.py)")
+
+
+def storage_for(
+    block_size: int, key_spec: QuantSpec, value_spec: QuantSpec
+) -> BlockStore | SplitBlockStorage:
     """The storage of a pool whose layer stores keys and values as these specs say."""
+    if is_split(key_spec, value_spec):
+        return SplitBlockStorage(block_size, key_spec, value_spec)
     return BlockStorage(block_size, key_spec, value_spec)
 
 
-__all__ = ["BlockStorage", "BlockStore", "storage_for"]
+__all__ = [
+    "BlockStorage",
+    "BlockStore",
+    "SplitBlockStorage",
+    "is_split",
+    "split_refusal",
+    "storage_for",
+]

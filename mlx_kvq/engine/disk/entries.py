@@ -31,7 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
-from mlx_kvq.caches import PROMPT_FILE_CLASSES, KVQPagedSequence, Pages
+from mlx_kvq.caches import PROMPT_FILE_CLASSES, KVQPagedSequence, KVQPagedSplitSequence, Pages
 from mlx_kvq.config import QuantSpec
 from mlx_kvq.quant import Store
 
@@ -104,6 +104,8 @@ def leaf_forms(caches: list) -> list[LeafForm] | str:
     prompt files do not know)."""
     out = []
     for slot, member, leaf in slot_leaves(caches):
+        if isinstance(leaf, KVQPagedSplitSequence):
+            return f"layer {slot} is in the paged split layout, which the disk tier does not keep"
         if isinstance(leaf, KVQPagedSequence):
             form = Form.FULL if leaf.window is None else Form.WINDOW
             out.append(LeafForm(slot, member, form, leaf.window))

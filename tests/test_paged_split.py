@@ -1,0 +1,278 @@
+"""The paged form of the split layout: whole quantized blocks shared by
+prefix, each row's exact tail and sinks beside them (caches/paged/split.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from kvq_testing.events import WAIT_S, Collector
+from kvq_testing.tiny import save_tiny_model
+from mlx_lm import load
+from mlx_lm.models import llama
+
+from mlx_kvq import evaluate as ev
+from mlx_kvq.attention import count_attention
+from mlx_kvq.caches import (
+    KVQPagedSplitCache,
+    KVQPagedSplitSequence,
+    KVQSplitCache,
+    KVQSplitWindowCache,
+    Pages,
+    keep_in_prompt_cache,
+    page_caches,
+    unpage_caches,
+)
+from mlx_kvq.caches.paged import SplitBlockStorage
+from mlx_kvq.config import KVConfig
+from mlx_kvq.engine import Engine, EngineOptions, GenerationRequest, SamplingParams
+from mlx_kvq.engine.runner import choose_layout
+from mlx_kvq.generate import get_plan
+from mlx_kvq.plan import plan_kv
+
+
+def _tiny():
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=128,
+        rms_norm_eps=1e-5,
+    )  # fmt: skip
+    model = llama.Model(args)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def _cfg(sinks: int, residual: int = 8) -> KVConfig:
+    return KVConfig(
+        bits=4, group_size=32, key_scales="channel", key_group_size=32,
+        residual=residual, sinks=sinks,
+    )  # fmt: skip
+
+
+def _paged(plan, pages: Pages) -> list:
+    return [type(c).merge([c]) for c in page_caches(plan.make_cache(), pages)]
+
+
+TOKENS = mx.random.randint(0, 128, (1, 150), key=mx.random.key(4))
+
+
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_paged_rows_compute_what_the_padded_split_cache_computes(sinks):
+    """Chunked prefill then decode. Without sinks the body's groups are the
+    padded cache's, so the logits are equal; with sinks the paged groups
+    start at position 0 (the padded ones after the sinks): close, same top token."""
+    model = _tiny()
+    plan = get_plan(model, _cfg(sinks))
+    padded = plan.make_cache()
+    assert {type(c) for c in padded} == {KVQSplitCache}
+    paged = _paged(plan, Pages(32))
+    assert {type(c) for c in paged} == {KVQPagedSplitCache}
+    steps = [TOKENS[:, s : s + 16] for s in range(0, 150, 16)]
+    steps += [mx.array([[i]]) for i in range(20)]
+    for x in steps:
+        with count_attention() as calls:
+            b = model(x, cache=paged)[:, -1]
+        assert calls["quantized"] == 2 and calls["full_precision"] == 0
+        a = model(x, cache=padded)[:, -1]
+        if sinks:
+            assert mx.abs(a - b).max().item() < 0.1
+        else:
+            assert mx.array_equal(a, b).item()
+        assert a.argmax().item() == b.argmax().item()
+    # blocks end `residual` (8) or more before the end; without sinks the
+    # same tokens are exact as in the padded cache
+    for p, q in zip(padded, paged, strict=True):
+        n = q.tables[0].length
+        assert n == 160 and q.offset.item() == p.offset == 170
+        assert 8 <= p.store.tail_len < 8 + 32
+        assert (p.store.tail_len == 10) == (not sinks)
+        if sinks:
+            assert p.store.head_len == sinks
+            assert q.pool.storage.sinks[q.tables[0].ids[0]][0].shape[2] == sinks
+
+
+def test_bytes_are_counted_from_what_is_held():
+    model = _tiny()
+    plan = get_plan(model, _cfg(4))
+    pages = Pages(32)
+    paged = _paged(plan, pages)
+    model(TOKENS[:, :100], cache=paged)
+    c = paged[0]
+    st = c.pool.storage
+    blocks = len(c.tables[0].ids)
+    assert blocks == 2  # 100 tokens, the last 8 exact: whole blocks up to 64
+    tail = c.tails[0]
+    assert tail[0].shape[2] == 36 and tail[0].dtype == mx.float16
+    sink = st.sinks[c.tables[0].ids[0]]
+    want = blocks * st.block_bytes + sum(a.nbytes for a in (*tail, *sink))
+    assert c.nbytes == want
+    # a 32-token block of 2 heads x 32 channels: 4-bit keys per channel (one
+    # group of 32 tokens: a scale and a bias per channel), 4-bit values per
+    # token in groups of 32 channels, 16-bit scales and biases
+    per_part = 2 * 32 * 32 // 2 + 2 * 32 * 2 * 2
+    assert st.block_bytes == 2 * per_part
+    assert c.own_nbytes == c.nbytes - blocks * st.block_bytes
+    assert pages.nbytes == sum(p.nbytes for p in pages.pools.values())
+    assert st.nbytes == st.blocks * st.block_bytes + sum(
+        k.nbytes + v.nbytes for k, v in st.sinks.values()
+    )
+
+
+def test_a_shared_prefix_is_shared_by_reference_and_continues_alike():
+    """Two sequences from one prefix (as the prompt cache hands it out): the
+    prefix's full blocks are held once, each goes on as a sequence that
+    computed the prefix itself would."""
+    model = _tiny()
+    plan = get_plan(model, _cfg(4))
+    pages = Pages(32)
+    first = page_caches(plan.make_cache(), pages)
+    prefix = TOKENS[:, :90]
+    batch = [type(c).merge([c]) for c in first]
+    model(prefix, cache=batch)
+    kept = [c.extract(0) for c in batch]
+    assert {type(c) for c in kept} == {KVQPagedSplitSequence}
+    keep_in_prompt_cache(kept, prefix[0].tolist())
+    for c in batch:
+        c.filter([])
+    import copy
+
+    a, b = copy.deepcopy(kept), copy.deepcopy(kept)
+    pool = kept[0].pool
+    ids = kept[0].table.ids
+    assert len(ids) == 2 and all(pool.refs[i] == 3 for i in ids)
+    # the prefix's blocks are found by the tokens they hold
+    assert pages.match(prefix[0].tolist() + [1])[(0, None)] == ids
+    rows = [type(x).merge([x, y]) for x, y in zip(a, b, strict=True)]
+    alone = page_caches(plan.make_cache(), Pages(32))
+    alone = [type(c).merge([c]) for c in alone]
+    model(prefix, cache=alone)
+    nxt = mx.array([[3], [9]])
+    got = model(nxt, cache=rows)[:, -1]
+    want = model(nxt[1:], cache=alone)[:, -1]
+    assert mx.allclose(got[1], want[0], atol=1e-5).item()
+    for _ in range(40):  # both rows past the shared blocks: their new blocks are their own
+        model(nxt, cache=rows)
+    r = rows[0]
+    assert r.tables[0].ids[:2] == r.tables[1].ids[:2] == ids
+    assert not set(r.tables[0].ids[2:]) & set(r.tables[1].ids[2:])
+
+
+def test_trim_right_padding_and_other_layouts():
+    model = _tiny()
+    plan = get_plan(model, _cfg(4))
+    pages = Pages(32)
+    x, y = page_caches(plan.make_cache(), pages), page_caches(plan.make_cache(), pages)
+    rows = [type(c).merge([c, d]) for c, d in zip(x, y, strict=True)]
+    model(mx.concatenate([TOKENS[:, :70], TOKENS[:, 10:80]]), cache=rows)
+    # a right-padded chunk: the second row's padding is never quantized
+    for c in rows:
+        c.prepare(lengths=[40, 2], right_padding=[0, 38])
+    model(mx.concatenate([TOKENS[:, 70:110], TOKENS[:, 80:120]]), cache=rows)
+    for c in rows:
+        c.finalize()
+    r = rows[0]
+    assert r.offset.tolist() == [110, 72] and [t.length for t in r.tables] == [96, 64]
+    # the padded twin of the second row
+    ref = plan.make_cache()
+    model(TOKENS[:, 10:80], cache=ref)
+    model(TOKENS[:, 80:82], cache=ref)
+    step = mx.array([[5], [5]])
+    assert mx.allclose(
+        model(step, cache=rows)[1, -1], model(step[1:], cache=ref)[0, -1], atol=0.1
+    ).item()
+    # trim back into a block: its tokens come back to the tail dequantized
+    one = rows[0].extract(0)
+    assert one.offset == 111
+    assert one.trim(30) == 30 and one.offset == 81 and one.table.length == 64
+    back = unpage_caches([one])[0]
+    assert type(back) is KVQSplitCache and back.offset == 81
+
+
+def test_the_layout_pages_split_full_layers_and_says_why_the_others_not(tmp_path):
+    path = save_tiny_model(tmp_path / "m", "llama:sliding")
+    model, _ = load(str(path))
+    plan = plan_kv(model, _cfg(4), batch=True)
+    kinds = {type(c) for c in plan.make_cache()}
+    assert kinds == {KVQSplitCache, KVQSplitWindowCache}
+    layout = choose_layout(plan, 32)
+    windows = [p.slot for p in plan.kv_layers if p.window is not None]
+    assert len(layout.paged) == len(plan.kv_layers) - len(windows)
+    assert "(in the split layout, layer" in layout.description
+    assert ": sliding attention has no paged form)" in layout.description
+    layout = choose_layout(plan, 16)
+    assert not layout.paged
+    assert "--kv-block-size 16 is not a multiple of --kv-key-group-size 32: " in layout.description
+
+
+@pytest.fixture(scope="module")
+def engine_model(tmp_path_factory):
+    path = save_tiny_model(tmp_path_factory.mktemp("ps") / "m", "llama")
+    return load(str(path))
+
+
+def _engine(loaded, kv, block_size):
+    model, tokenizer = loaded
+    plan = plan_kv(model, kv, batch=True)
+    eng = Engine(
+        model, tokenizer, plan, kv,
+        EngineOptions(block_size=block_size, max_context=plan.max_context, prompt_cache_size=8,
+                      kv_cache_memory=64 << 20),
+    )  # fmt: skip
+    eng.start()
+    assert eng.readiness.ready_event.wait(WAIT_S)
+    assert eng.readiness.ready, eng.readiness.get()
+    return eng
+
+
+def _run(eng, prompts, max_tokens=24):
+    collectors = []
+    for p in prompts:
+        c = Collector()
+        eng.submit(GenerationRequest(list(p), SamplingParams(max_tokens=max_tokens)), c)
+        collectors.append(c)
+    return [c.wait().tokens for c in collectors]
+
+
+PREFIX = [(7 * i) % 200 + 3 for i in range(70)]
+PROMPTS = [[5, 9, 11], PREFIX + [17, 18], [(3 * i) % 190 + 2 for i in range(45)], PREFIX + [21]]
+
+
+def test_the_engine_serves_the_split_layout_in_blocks(engine_model):
+    """Greedy text through the engine equals the padded split layout's (no
+    sinks: the same groups), and the prefix's blocks are shared."""
+    kv = _cfg(0)
+    padded = _engine(engine_model, kv, None)
+    try:
+        want = _run(padded, PROMPTS)
+    finally:
+        padded.stop()
+    paged = _engine(engine_model, kv, 32)
+    try:
+        with count_attention() as calls:
+            got = _run(paged, PROMPTS)
+        assert calls["quantized"] > 0 and calls["full_precision"] == 0
+        pools = paged.runner.pages.pools.values()
+        assert pools and all(isinstance(p.storage, SplitBlockStorage) for p in pools)
+        again = _run(paged, [PREFIX + [17, 18]])
+        assert paged.metrics.snapshot().prefix_blocks_reused > 0
+        # what rows hold beside the pool is within what the budget promised them
+        assert paged.budget.bound_misses == 0 and paged.budget.overruns == 0
+    finally:
+        paged.stop()
+    assert got == want and again[0] == want[1]
+
+
+def test_eval_scores_the_paged_form():
+    """`eval --kv-block-size`: the layers that page are scored in blocks, and
+    without sinks they score what the padded split cache scores."""
+    model = _tiny()
+    tokens = TOKENS[0].tolist() * 2
+    cfg = _cfg(0)
+    kw = dict(context=120, chunk=16, windows=2, progress=False, decode=8, held_context=None)
+    padded, paged = (
+        ev.evaluate_many(model, tokens, [cfg], block_size=b, **kw)[0] for b in (None, 32)
+    )
+    assert padded["paged_layers"] == 0 and paged["paged_layers"] == 2
+    assert paged["kl_mean"] == pytest.approx(padded["kl_mean"], rel=1e-5)
+    assert paged["top1"] == padded["top1"]
