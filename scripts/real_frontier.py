@@ -37,8 +37,10 @@ def rows(report: dict, model: str) -> list[str]:
     for s in report["settings"]:
         for t in s["texts"]:
             top1, kl = t["top1"], t["kl_mean"]
+            # `--decode N`: the last N positions fed one token at a time
+            shape = f", last {t['decode']} decoded" if t.get("decode") else ""
             out.append(
-                f"| {model} | {Path(t['text']).name} | {t['windows']}x{t['context']} | "
+                f"| {model} | {Path(t['text']).name} | {t['windows']}x{t['context']}{shape} | "
                 f"`{s['setting']}` | {s['bits_per_element']:.2f} | "
                 f"{100 * top1:.2f} ± {100 * t['top1_se']:.2f} | "
                 f"{kl:.1e} ± {t['kl_mean_se']:.0e} | {verdict(s['bits_per_element'], top1, kl)} |"

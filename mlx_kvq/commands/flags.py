@@ -235,8 +235,10 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
         type=_bits,
         default=None,
         help="bits for keys and values of bounded layers (sliding window, chunked, "
-        "--max-kv-size; 0: unquantized); default: as the other layers (with no bits "
-        "flag: the default setting's, 8)",
+        "--max-kv-size; 0: unquantized), per token in groups of --kv-group-size with no "
+        "token exact (--kv-key-scales channel and --kv-residual then shape the other "
+        "layers only); default: as the other layers (with no bits flag: the default "
+        "setting's, 8)",
     )
     g.add_argument(
         "--kv-key-scales",
@@ -258,8 +260,9 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-residual",
         type=_count,
         default=None,
-        help="the last N tokens of every layer stay unquantized (in 16 bits), quantized as "
-        "newer ones arrive; default: 0 with explicit bits, the default setting's without",
+        help="the last N tokens of every layer (bounded ones too, unless --kv-window-bits "
+        "is given) stay unquantized (in 16 bits), quantized as newer ones arrive; default: "
+        "0 with explicit bits, the default setting's without",
     )
     g.add_argument(
         "--kv-sinks",
