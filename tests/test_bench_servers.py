@@ -51,3 +51,14 @@ def test_servers_section_runs_both_servers_end_to_end(tmp_path):
     assert any("streams 1" in g for g in goals) and any("ready" in g for g in goals)
     md = (tmp_path / "bench.md").read_text()
     assert "## mlx-kvq serve against mlx_lm.server" in md and "streams 2" in md
+
+
+def test_a_prompt_past_the_models_context_is_refused_before_any_server_starts(tmp_path, capsys):
+    rc = main(
+        ["bench", "--sections", "servers", "--model", "demo:gemma", "--server-long", "10000000",
+         "--no-plots", "--out", str(tmp_path)]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert rc == 2 and "--server-long" in captured.err
+    assert "max_position_embeddings" in captured.err
+    assert "starting" not in captured.out  # refused before any server

@@ -308,6 +308,30 @@ def _read_text(settings: BenchSettings) -> str:
     return DEMO_MODERN.read_text() + "\n\n" + DEMO_HELDOUT.read_text()
 
 
+def _check_lengths(settings: BenchSettings) -> None:
+    """Refuse, before any server starts, a prompt longer than the model's
+    context (`max_position_embeddings` in config.json): mlx-kvq serve answers
+    it with a 400, and the run would end there after the other arms' work."""
+    try:
+        config = json.loads((Path(settings.server_model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    context = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+        "max_position_embeddings"
+    )
+    long, short, shorts = settings.server_mixed
+    for flag, tokens in (
+        ("--server-long", settings.server_long + 1),
+        ("--server-mixed", long + settings.server_tokens),
+        ("--server-prompt", settings.server_prompt + settings.server_tokens),
+    ):
+        if context and tokens > context:
+            raise ValueError(
+                f"{flag}: {tokens} tokens (with the answer) exceed the model's context of "
+                f"{context} tokens (max_position_embeddings); choose a shorter one"
+            )
+
+
 def _load_tokenizer(model: str):
     from mlx_lm.utils import load_tokenizer
 
@@ -318,6 +342,7 @@ def run(settings: BenchSettings, log=print) -> dict:
     model = settings.server_model
     if not model:
         raise ValueError("the servers section needs a model: --model DIR (or FILE.gguf)")
+    _check_lengths(settings)
     tokenizer = _load_tokenizer(model)
     prompts = Prompts(tokenizer, _read_text(settings))
     for path in Path(model).glob("*.safetensors"):  # the same page cache for every start
