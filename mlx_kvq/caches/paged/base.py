@@ -422,6 +422,7 @@ class PagedBatch(PagedCache):
             if i not in kept:
                 t.release()
         self.tables = [self.tables[i] for i in keep]
+        self._keep_rows(keep)
         self._sync()
 
     def extend(self, other: PagedBatch) -> None:
@@ -429,7 +430,14 @@ class PagedBatch(PagedCache):
             raise ValueError("paged caches extend only within one pool")
         self.tables += other.tables
         other.tables = []
+        self._take_rows(other)
         other._sync()
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """What a subclass holds per row beside its table, filtered like the tables."""
+
+    def _take_rows(self, other: PagedBatch) -> None:
+        """What a subclass holds per row beside its table, moved from `other` like the tables."""
         self._sync()
 
     def extract(self, idx: int) -> KVQPagedSequence:

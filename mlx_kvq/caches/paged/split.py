@@ -317,25 +317,12 @@ class KVQPagedSplitCache(PagedBatch):
         self._sync()
         return min(done, default=0)
 
-    def filter(self, batch_indices) -> None:
-        if isinstance(batch_indices, mx.array):
-            batch_indices = batch_indices.tolist()
-        keep = [int(i) for i in batch_indices]
+    def _keep_rows(self, keep: list[int]) -> None:
         self.tails = [self.tails[i] for i in keep]
-        kept = set(keep)
-        for i, t in enumerate(self.tables):
-            if i not in kept:
-                t.release()
-        self.tables = [self.tables[i] for i in keep]
-        self._sync()
 
-    def extend(self, other: KVQPagedSplitCache) -> None:
-        if other.pool is not self.pool:
-            raise ValueError("paged caches extend only within one pool")
-        self.tables += other.tables
+    def _take_rows(self, other: KVQPagedSplitCache) -> None:
         self.tails += other.tails
-        other.tables, other.tails = [], []
-        other._sync()
+        other.tails = []
         self._sync()
 
     def extract(self, idx: int) -> KVQPagedSplitSequence:

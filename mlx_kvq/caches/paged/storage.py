@@ -57,6 +57,18 @@ class BlockStore(Protocol):
     def gather(self, ids: list[int], base: int, length: int) -> tuple[Store, Store]: ...
 
 
+def _append_blocks(storage: BlockStorage | SplitBlockStorage, k: Store, v: Store, add: int) -> None:
+    """Append `add` blocks `k`/`v` to a storage's pools (the first ones make
+    them, and fix the bytes a block takes)."""
+    storage._block_bytes = (k.nbytes + v.nbytes) // add
+    if storage.keys is None:
+        storage.keys, storage.values = k, v
+    else:
+        storage.keys = Store.concat([storage.keys, k], axis=0)
+        storage.values = Store.concat([storage.values, v], axis=0)
+    storage.blocks += add
+
+
 class BlockStorage:
     """One layer's K/V blocks, each part of a `Store` laid out block by block;
     made at the first growth (heads, dims and dtypes come from the first
@@ -96,14 +108,7 @@ class BlockStorage:
         def zeros(a: mx.array) -> mx.array:
             return mx.zeros((add, self.block_size, a.shape[1], a.shape[-1]), a.dtype)
 
-        new_k, new_v = k.map(zeros), v.map(zeros)
-        self._block_bytes = (new_k.nbytes + new_v.nbytes) // add  # fixed by the first tokens
-        if self.keys is None:
-            self.keys, self.values = new_k, new_v
-        else:
-            self.keys = Store.concat([self.keys, new_k], axis=0)
-            self.values = Store.concat([self.values, new_v], axis=0)
-        self.blocks += add
+        _append_blocks(self, k.map(zeros), v.map(zeros), add)
 
     def release(self) -> None:
         """Drop every block."""
@@ -254,14 +259,7 @@ class SplitBlockStorage:
         def zeros(a: mx.array) -> mx.array:
             return mx.zeros((add, *a.shape[1:]), a.dtype)
 
-        new_k, new_v = k.map(zeros), v.map(zeros)
-        self._block_bytes = (new_k.nbytes + new_v.nbytes) // add
-        if self.keys is None:
-            self.keys, self.values = new_k, new_v
-        else:
-            self.keys = Store.concat([self.keys, new_k], axis=0)
-            self.values = Store.concat([self.values, new_v], axis=0)
-        self.blocks += add
+        _append_blocks(self, k.map(zeros), v.map(zeros), add)
 
     def release(self) -> None:
         self.keys = self.values = None
