@@ -37,6 +37,12 @@ def batch_caches(generator: BatchGenerator) -> list[Any]:
     )
 
 
+def decoding_caches(generator: BatchGenerator) -> list[Any]:
+    """The per-layer caches of the sequences a `BatchGenerator` is decoding
+    (mlx-lm 0.32.2: `_generation_batch`), without the prompts it processes."""
+    return list(generator._generation_batch.prompt_cache)
+
+
 def pending_token(generator: BatchGenerator, uid: int) -> tuple[int, mx.array] | None:
     """The token the batch has already sampled for `uid`'s next step, with its
     log-probabilities (None when `uid` is not decoding).

@@ -40,7 +40,7 @@ from mlx_kvq.caches import (
     unpage_caches,
 )
 from mlx_kvq.config import PAGED_BLOCK_SIZE
-from mlx_kvq.mlx_lm_internals import batch_caches, pending_token
+from mlx_kvq.mlx_lm_internals import batch_caches, decoding_caches, pending_token
 
 from .scheduler import Sequence
 from .speculation import DraftModel, LaneWork, SpeculativeLane
@@ -348,8 +348,9 @@ class BatchRunner:
                 vocab = r.logprobs.shape[-1]
                 if r.finish_reason is not None:
                     finished[r.uid] = (r.prompt_cache, len(r.all_tokens))
-            if uids[0] not in finished:  # the batch as it holds the long sequence
-                batch_report = cache_report(self.caches())
+            decoding = decoding_caches(self._bg)
+            if decoding and uids[0] not in finished:  # the batch decoding the long sequence
+                batch_report = cache_report(decoding)
             if waiting and responses:
                 uids += insert(waiting, max_tokens)
                 waiting = []
