@@ -114,6 +114,12 @@ class QuantSpec:
         return f"{self.bits}b/{'c' if self.per_channel else 'g'}{self.group_size}{rot}"
 
 
+def is_split(key_spec: QuantSpec, value_spec: QuantSpec) -> bool:
+    """Whether a layer of these specs is stored in the split layout: either
+    spec is (`QuantSpec.split`); the one rule every layout reads."""
+    return key_spec.split or value_spec.split
+
+
 @dataclass(frozen=True)
 class KVConfig:
     """Everything the user asked of the KV cache, in mlx-lm's vocabulary.

@@ -38,7 +38,7 @@ from .caches import (
     quantize_cache,
 )
 from .caches.deepseek_v41 import FIELDS
-from .config import KVConfig, QuantSpec, UnsupportedKVConfig
+from .config import KVConfig, QuantSpec, UnsupportedKVConfig, is_split
 from .mlx_lm_internals import model_classes
 from .model_facts import facts
 
@@ -124,13 +124,13 @@ class LayerPlan:
     def extra_rows(self) -> int:
         """Tokens a split layer may hold beyond its window: the rest of a group."""
         k, v = self.key_spec, self.value_spec
-        return max(k.flush_unit, v.flush_unit) - 1 if k.split or v.split else 0
+        return max(k.flush_unit, v.flush_unit) - 1 if is_split(k, v) else 0
 
     def exact_rows(self, context: int) -> int:
         """Unquantized rows a split layer holds after `context` tokens, at most:
         its sinks, its residual and a group not yet complete."""
         k, v = self.key_spec, self.value_spec
-        if not (self.quantized and (k.split or v.split)):
+        if not (self.quantized and is_split(k, v)):
             return 0
         held = self.rows_held(context)
         return min(held, k.sinks + max(k.residual, v.residual) + self.extra_rows)
@@ -438,7 +438,7 @@ def _twin(plan: KVPlan, p: LayerPlan, c, start: int):
     if p.kind == "indexer":
         return KVQIndexerCache.from_cache(c, p.key_spec, p.value_spec, start, p.hand_out)
     if p.kind == "full" and p.window is not None and c.empty():
-        window = KVQSplitWindowCache if p.key_spec.split or p.value_spec.split else KVQWindowCache
+        window = KVQSplitWindowCache if is_split(p.key_spec, p.value_spec) else KVQWindowCache
         return window(
             p.window, p.key_spec, p.value_spec, keep=0 if plan.batch else 4,
             start=start, hand_out=p.hand_out,
@@ -550,7 +550,7 @@ def plan_kv(
             notes.append(f"{where}: sink tokens (keep={c.keep}) are not kept in batched windows")
         skipped = slot in cfg.skip_layers
         key_spec, value_spec = cfg.specs(bounded=window is not None)
-        if (key_spec.split or value_spec.split) and not _has_split(kind, name, field):
+        if is_split(key_spec, value_spec) and not _has_split(kind, name, field):
             key_spec, value_spec = per_token(key_spec), per_token(value_spec)
             notes.append(
                 f"{where} ({name}): no split layout is declared for this kind, so its keys "

@@ -29,7 +29,6 @@ from .paged.convert import (
     unpage_caches,
 )
 from .paged.split import exact_tokens_held
-from .paged.storage import is_split
 from .registry import (
     PROMPT_FILE_CLASSES,
     REGISTRY,
@@ -63,7 +62,6 @@ __all__ = [
     "CACHE",
     "blocks_held",
     "exact_tokens_held",
-    "is_split",
     "cached_only_bytes",
     "keep_in_prompt_cache",
     "mapped_blocks",

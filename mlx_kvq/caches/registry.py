@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from ..config import QuantSpec
+from ..config import QuantSpec, is_split
 from ..mlx_lm_internals import batch_cursor
 from ..model_facts import FACTS, OwnCache, facts
 from ..quant import Store
@@ -222,7 +222,7 @@ def quantize_cache(
         )
     if kind.convert is None:
         return cache
-    if key_spec.split or value_spec.split:
+    if is_split(key_spec, value_spec):
         if kind.split is None:
             raise TypeError(f"cache kind {kind.name} has no split layout (see plan.py)")
         return kind.split(cache, key_spec, value_spec, start, hand_out)

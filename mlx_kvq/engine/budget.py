@@ -53,8 +53,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from mlx_kvq.caches import KVQCache, Pages, blocks_held, exact_tokens_held, is_split
-from mlx_kvq.config import KVConfig, QuantSpec
+from mlx_kvq.caches import KVQCache, Pages, blocks_held, exact_tokens_held
+from mlx_kvq.config import KVConfig, QuantSpec, is_split
 from mlx_kvq.plan import KVPlan, LayerPlan
 
 GROWTH = KVQCache.step  # the padded caches grow their buffers in steps of this many tokens

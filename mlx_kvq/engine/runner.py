@@ -113,8 +113,8 @@ def choose_layout(plan: Any, block_size: int | None) -> Layout:
 
 @dataclass(frozen=True)
 class WarmupRun:
-    """What the warm-up batch left: the batch's cache report at its last step
-    with the long sequence, the report of that sequence's extracted cache and
+    """What the warm-up batch left: the decoding batch's cache report at its
+    last step with the long sequence, the report of that sequence's extracted cache and
     its length, the width of the model's logits, and the most sequences that
     decoded in one step."""
 

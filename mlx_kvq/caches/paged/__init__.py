@@ -16,7 +16,7 @@ from .blocks import BlockAllocator, BlockTable, PoolStats
 from .full import KVQPagedFullCache, KVQPagedFullSequence
 from .pool import BlockPool, Pages, PagesStats
 from .split import KVQPagedSplitCache, KVQPagedSplitSequence, exact_tokens_held
-from .storage import BlockStorage, SplitBlockStorage, is_split, split_refusal
+from .storage import BlockStorage, SplitBlockStorage, split_refusal
 from .window import KVQPagedWindowCache, KVQPagedWindowSequence
 
 __all__ = [
@@ -38,6 +38,5 @@ __all__ = [
     "PoolStats",
     "SplitBlockStorage",
     "exact_tokens_held",
-    "is_split",
     "split_refusal",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from mlx_lm.models import cache as mlx_cache
 
+from ...config import is_split
 from ..base import PACKED
 from ..full import KVQFullCache
 from ..registry import leaves, lookup
@@ -19,7 +20,7 @@ from .base import KVQPagedSequence
 from .blocks import CACHE, Account, chain_hashes
 from .pool import Pages
 from .split import KVQPagedSplitSequence
-from .storage import is_split, split_refusal
+from .storage import split_refusal
 
 
 def pages_slot(cache) -> bool:

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from ...config import QuantSpec
+from ...config import QuantSpec, is_split
 from ...quant import PagedKV, QuantizedKV, Store, rotate, scale_dtype
 
 
@@ -155,12 +155,6 @@ class BlockStorage:
                 Store((row.data, row.scales, row.biases) if view.quantized else (row,), store.spec)
             )
         return parts[0], parts[1]
-
-
-def is_split(key_spec: QuantSpec, value_spec: QuantSpec) -> bool:
-    """Whether a layer of these specs is stored in the split layout (the one
-    rule the paged forms and `storage_for` read)."""
-    return key_spec.split or value_spec.split
 
 
 def split_refusal(block_size: int, key_spec: QuantSpec, value_spec: QuantSpec) -> str | None:
@@ -339,7 +333,6 @@ __all__ = [
     "BlockStorage",
     "BlockStore",
     "SplitBlockStorage",
-    "is_split",
     "split_refusal",
     "storage_for",
 ]
