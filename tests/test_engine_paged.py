@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from kvq_testing.events import WAIT_S, Collector
+from kvq_testing.helpers import started
 from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
 from prometheus_client import generate_latest
@@ -42,10 +43,7 @@ def _engine(loaded, block_size, **options):
         model, tokenizer, plan, kv,
         EngineOptions(block_size=block_size, max_context=plan.max_context, **options),
     )  # fmt: skip
-    eng.start()
-    assert eng.readiness.ready_event.wait(WAIT_S)
-    assert eng.readiness.ready, eng.readiness.get()
-    return eng
+    return started(eng, WAIT_S)
 
 
 def _run(eng, prompts, max_tokens=12):

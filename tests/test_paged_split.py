@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from kvq_testing.events import WAIT_S, Collector
+from kvq_testing.helpers import started
 from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
 from mlx_lm.models import llama
@@ -219,10 +220,7 @@ def _engine(loaded, kv, block_size):
         EngineOptions(block_size=block_size, max_context=plan.max_context, prompt_cache_size=8,
                       kv_cache_memory=64 << 20),
     )  # fmt: skip
-    eng.start()
-    assert eng.readiness.ready_event.wait(WAIT_S)
-    assert eng.readiness.ready, eng.readiness.get()
-    return eng
+    return started(eng, WAIT_S)
 
 
 def _run(eng, prompts, max_tokens=24):

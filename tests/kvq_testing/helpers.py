@@ -203,3 +203,11 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
 def prompt_tokens(n: int = 40, seed: int = 0) -> mx.array:
     rng = np.random.default_rng(seed)
     return mx.array(rng.integers(0, VOCAB, size=n).astype(np.int32))
+
+
+def started(engine, wait_s: float):
+    """`engine` started, and ready (its warm-up passed) within `wait_s`."""
+    engine.start()
+    assert engine.readiness.ready_event.wait(wait_s)
+    assert engine.readiness.ready, engine.readiness.get()
+    return engine
