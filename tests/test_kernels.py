@@ -55,6 +55,23 @@ def test_kernels_equal_dequantize_then_multiply(bits, gs):
 
 
 @linux
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_channel_kernel_equals_dequantize_then_multiply(bits, gs):
+    """Per-channel keys (channel-major, packed along the tokens) at every width."""
+    assert kernels.native_status().available
+    rng = np.random.default_rng(bits * 100 + gs)
+    N = 3 * 128
+    x = mx.array(rng.standard_normal((2, 3, N, 64)).astype(np.float32))
+    w, s, b = mx.quantize(x.swapaxes(-1, -2), group_size=gs, bits=bits)
+    k = QuantizedKV(w, s.astype(mx.float16), b.astype(mx.float16), bits, gs, False, True)
+    kd = mx.dequantize(w, s.astype(mx.float16).astype(mx.float32),
+                       b.astype(mx.float16).astype(mx.float32), group_size=gs, bits=bits)  # fmt: skip
+    q = mx.array(rng.standard_normal((2, 3, 5, 64)).astype(np.float32))
+    np.testing.assert_allclose(kernels.channel_scores(q, k), q @ kd, atol=2e-4, rtol=1e-4)
+
+
+@linux
 def test_kernels_broadcast_one_cache_over_batch_and_take_transposed_rows():
     rng = np.random.default_rng(0)
     k, kd = _packed(rng, (1, 2, 300, 64), 4, 64, mx.float16)
