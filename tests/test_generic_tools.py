@@ -92,6 +92,26 @@ def test_the_grammar_takes_text_or_one_call_to_a_tool(model_dir):
         J.grammar(TOOLS, name="get_time")
 
 
+def test_a_call_takes_only_the_declared_arguments_unless_its_schema_opens_them(model_dir):
+    tokenizer = load_tokenizer(model_dir)
+    extra = CALL.replace('"Paris"', '"Paris", "type": "object"')
+    assert not accepts(tokenizer, J.grammar(TOOLS, required=True), extra)
+    nested = {
+        "type": "object",
+        "required": ["where"],
+        "properties": {"where": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": nested}}]
+    call = '{"tool_call": {"name": "get_weather", "arguments": {"where": {"city": "Paris"%s}}}}'
+    assert accepts(tokenizer, J.grammar(tools, required=True), call % "")
+    assert not accepts(tokenizer, J.grammar(tools, required=True), call % ', "unit": "C"')
+    opened = {**PARAMETERS, "additionalProperties": True}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": opened}}]
+    assert accepts(tokenizer, J.grammar(tools, required=True), extra)
+    assert PARAMETERS == {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}  # the client's schema is not changed  # fmt: skip
+
+
 def test_an_answer_is_read_as_text_or_one_call():
     out = J.JsonToolOutput(streaming=True)
     pieces = [out.feed(t) for t in ("\n", CALL[:10], CALL[10:])]

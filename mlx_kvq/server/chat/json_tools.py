@@ -106,14 +106,45 @@ def conversation(
     return out
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with every object that lists its `properties` and says nothing
+    of `additionalProperties` closed to other keys (a copy): JSON Schema lets
+    such an object take any other key, and a model held to it wanders into
+    keys the tool never declared (Gemma 3 270M wrote `"type": "object"` into
+    the arguments of a weather tool); a call's arguments are the declared
+    ones, as OpenAI's and Anthropic's strict tool modes make them."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed(s) for k, s in out[key].items()}
+    for key in ("items", "additionalProperties", "not", "if", "then", "else"):
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def call_schema(tools: list[dict[str, Any]], name: str | None = None) -> dict[str, Any]:
-    """The JSON schema of one call to one of `tools` (or to the tool `name`)."""
+    """The JSON schema of one call to one of `tools` (or to the tool `name`),
+    its arguments held to the declared parameters (`closed`)."""
     options = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": fn["name"]},
-                "arguments": fn.get("parameters") or {"type": "object"},
+                "arguments": closed(fn.get("parameters") or {"type": "object"}),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
