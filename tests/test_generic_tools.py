@@ -108,6 +108,11 @@ def test_a_call_takes_only_the_declared_arguments_unless_its_schema_opens_them(m
     opened = {**PARAMETERS, "additionalProperties": True}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": opened}}]
     assert accepts(tokenizer, J.grammar(tools, required=True), extra)
+    both = {"allOf": [{"type": "object", "properties": {"city": {"type": "string"}}},
+                      {"type": "object", "properties": {"unit": {"type": "string"}}}]}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": both}}]
+    with_unit = CALL.replace('"Paris"', '"Paris", "unit": "C"')
+    assert accepts(tokenizer, J.grammar(tools, required=True), with_unit)  # allOf's keys add up
     assert PARAMETERS == {"type": "object", "properties": {"city": {"type": "string"}},
                           "required": ["city"]}  # the client's schema is not changed  # fmt: skip
 

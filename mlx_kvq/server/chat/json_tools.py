@@ -106,17 +106,20 @@ def conversation(
     return out
 
 
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else")
 
 
-def closed(schema: Any) -> Any:
+def closed(schema: Any, close: bool = True) -> Any:
     """`schema` with every object that lists its `properties` and says nothing
     of `additionalProperties` closed to other keys (a copy): JSON Schema lets
     such an object take any other key, and a model held to it wanders into
     keys the tool never declared (Gemma 3 270M wrote `"type": "object"` into
     the arguments of a weather tool); a call's arguments are the declared
-    ones, as OpenAI's and Anthropic's strict tool modes make them."""
+    ones, as OpenAI's and Anthropic's strict tool modes make them. The
+    branches of an `allOf`, and an object with one, stay open at their own
+    level: their keys add up, and closing each would refuse the others'."""
     if isinstance(schema, list):
         return [closed(s) for s in schema]
     if not isinstance(schema, dict):
@@ -125,13 +128,16 @@ def closed(schema: Any) -> Any:
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
             out[key] = [closed(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed(s, close=False) for s in out["allOf"]]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {k: closed(s) for k, s in out[key].items()}
-    for key in ("items", "additionalProperties", "not", "if", "then", "else"):
+    for key in _SUBSCHEMAS:
         if isinstance(out.get(key), dict):
             out[key] = closed(out[key])
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+    open_keys = ("additionalProperties", "unevaluatedProperties", "allOf")
+    if close and isinstance(out.get("properties"), dict) and not any(k in out for k in open_keys):
         out["additionalProperties"] = False
     return out
 
