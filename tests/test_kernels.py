@@ -16,6 +16,8 @@ from mlx_kvq.config import QuantSpec
 from mlx_kvq.quant import QuantizedKV, Store
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="built on Linux only")
+EVERY_WIDTH = pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])  # every packed width
+EVERY_GROUP = pytest.mark.parametrize("gs", [32, 64, 128])
 
 
 @linux
@@ -39,8 +41,8 @@ def _packed(rng, shape, bits, gs, scale_dtype, extra=7):
 
 
 @linux
-@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-@pytest.mark.parametrize("gs", [32, 64, 128])
+@EVERY_WIDTH
+@EVERY_GROUP
 def test_kernels_equal_dequantize_then_multiply(bits, gs):
     assert kernels.native_status().available
     rng = np.random.default_rng(bits * 1000 + gs)
@@ -55,8 +57,8 @@ def test_kernels_equal_dequantize_then_multiply(bits, gs):
 
 
 @linux
-@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-@pytest.mark.parametrize("gs", [32, 64, 128])
+@EVERY_WIDTH
+@EVERY_GROUP
 def test_channel_kernel_equals_dequantize_then_multiply(bits, gs):
     """Per-channel keys (channel-major, packed along the tokens) at every width."""
     assert kernels.native_status().available
