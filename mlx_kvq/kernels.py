@@ -5,7 +5,10 @@ where a C++ compiler is present) adds MLX primitives that read packed
 K/V once and multiply them with a few rows at a time (per-token keys and
 values; per-channel keys, `channel_scores`; block pools, `paged_attention`): what decode attention
 needs, and what MLX's CPU `quantized_matmul` does slowly (scalar code that
-re-reads the packed matrix for every row). They are used only on the CPU, only
+re-reads the packed matrix for every row); and a softmax under a causal mask
+given by positions (`causal_softmax`), what prefill needs between its two
+products, where MLX's CPU softmax computes exp one element at a time
+(7x slower). They are used only on the CPU, only
 when the module was built against the running MLX version (MLX's C++ API has
 no stable ABI) and only after a self-check against `mx.dequantize` passed;
 otherwise attention keeps MLX's operations, and `native_status()` says why.
@@ -65,6 +68,22 @@ def _self_check(module) -> str | None:
         for g, r in zip(got, want, strict=True):
             if g.shape != r.shape or not mx.allclose(g, r, atol=1e-4, rtol=1e-4).item():
                 return f"self-check failed at {bits} bits"
+    scores = 4 * mx.random.normal((2, 2, 3 * 5, 41), key=mx.random.key(1))
+    sinks = mx.random.normal((6,), key=mx.random.key(2))
+    for window, with_sinks in ((0, False), (7, True)):
+        # query row m of a block sees the key slots (shift + m - window, shift + m]
+        shift = mx.array([30, 36], dtype=mx.int32)
+        got = module.causal_softmax(scores, shift, sinks, 5, window, 3, with_sinks)
+        last = mx.array([30, 36])[:, None, None, None] + (mx.arange(15) % 5)[:, None]
+        slot = mx.arange(41)
+        seen = (slot <= last) & ((slot > last - window) if window else True)
+        logits = mx.where(seen, scores, -mx.inf)
+        if with_sinks:
+            column = mx.broadcast_to(sinks.reshape(1, 2, 3, 1, 1), (2, 2, 3, 5, 1))
+            logits = mx.concatenate([column.reshape(2, 2, 15, 1), logits], axis=-1)
+        want = mx.softmax(logits, axis=-1)[..., 1:] if with_sinks else mx.softmax(logits, axis=-1)
+        if not mx.allclose(got, want, atol=1e-5, rtol=1e-4).item():
+            return f"causal softmax self-check failed (window {window}, sinks {with_sinks})"
     return None
 
 
@@ -120,6 +139,21 @@ def channel_scores(q: mx.array, k: QuantizedKV) -> mx.array:
 def packed_weighted(p: mx.array, v: QuantizedKV) -> mx.array:
     """float32 `p @ V` (B, H, M, D) from packed V (B, H, N, D)."""
     return _module.packed_weighted(p, v.data, v.scales, v.biases, v.group_size, v.bits)
+
+
+def causal_softmax(
+    scores: mx.array, shift: tuple[int, ...], window: int, n_rep: int, sinks: mx.array | None
+) -> mx.array:
+    """float32 softmax of `scores` (B, H, n_rep * rows, S) where query row r
+    (index m = r % rows) sees the key slots (shift[b] + m - window, shift[b] + m]
+    (window 0: every earlier slot); `sinks`: one logit per query head, or None."""
+    rows = scores.shape[2] // n_rep
+    has_sinks = sinks is not None
+    return _module.causal_softmax(
+        scores, mx.array(shift, dtype=mx.int32),
+        sinks.reshape(-1) if has_sinks else mx.zeros((1,)),
+        rows, window, n_rep, has_sinks,
+    )  # fmt: skip
 
 
 def paged_attention(

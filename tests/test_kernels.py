@@ -106,6 +106,75 @@ def test_decode_attention_same_with_and_without_the_kernels(
     np.testing.assert_allclose(native, fallback, atol=1e-5, rtol=1e-4)
 
 
+def _softmax_reference(scores, shift, window, n_rep, sinks):
+    """MLX's softmax under the mask `Causal` describes, sinks as a first column."""
+    B, H, R, S = scores.shape
+    rows = R // n_rep
+    m = attention.Causal(shift, window)
+    seen = m.array(rows, S)
+    seen = mx.broadcast_to(seen[:, :, 0] if seen.ndim == 5 else seen, (B, 1, rows, S))
+    seen = mx.tile(seen, (1, 1, n_rep, 1))
+    logits = mx.where(seen, scores, -mx.inf)
+    if sinks is None:
+        return mx.softmax(logits, axis=-1, precise=True)
+    column = mx.broadcast_to(sinks.reshape(1, H, n_rep, 1, 1), (B, H, n_rep, rows, 1))
+    logits = mx.concatenate([column.reshape(B, H, R, 1), logits], axis=-1)
+    return mx.softmax(logits, axis=-1, precise=True)[..., 1:]
+
+
+@linux
+@pytest.mark.parametrize("window", [0, 9])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_causal_softmax_equals_masked_softmax(window, with_sinks):
+    """Per-sequence shifts (paged rows of different lengths), a window, sinks,
+    rows that see no key at all (all zeros, or all weight on the sink)."""
+    rng = np.random.default_rng(window + with_sinks)
+    B, H, n_rep, rows, S = 3, 2, 3, 13, 75
+    scores = mx.array(8 * rng.standard_normal((B, H, n_rep * rows, S)).astype(np.float32))
+    sinks = mx.array(rng.standard_normal(H * n_rep).astype(np.float32)) if with_sinks else None
+    shift = (40, 61, -3)  # the last sequence's first three rows see nothing
+    got = kernels.causal_softmax(scores, shift, window, n_rep, sinks)
+    want = _softmax_reference(scores, shift, window, n_rep, sinks)
+    np.testing.assert_allclose(got, mx.where(mx.isnan(want), 0, want), atol=1e-6, rtol=1e-5)
+    assert mx.all(got[2, :, :3] == 0).item()
+
+
+@linux
+def test_causal_softmax_does_not_depend_on_where_the_keys_are_cut():
+    """A row cut to the keys it sees (`Causal.visible`), or padded with masked
+    slots, computes bit for bit what the whole row computes: every layout of
+    the same keys (padded rows, paged rows, trimmed blocks) agrees exactly."""
+    rng = np.random.default_rng(3)
+    scores = mx.array(rng.standard_normal((1, 1, 7, 300)).astype(np.float32))
+    whole = kernels.causal_softmax(scores, (250,), 100, 1, None)
+    lo, hi = attention.Causal((250,), 100).visible(7, 300)
+    assert lo % 8 == 0 and 0 < lo and hi == 257
+    cut = kernels.causal_softmax(scores[..., lo:hi], (250 - lo,), 100, 1, None)
+    assert mx.array_equal(cut, whole[..., lo:hi]).item()
+    assert mx.all(whole[..., hi:] == 0).item() and mx.all(whole[..., :lo] == 0).item()
+    masked = mx.where(attention.Causal((250,), 100).array(7, 300), scores, -mx.inf)
+    free = kernels.causal_softmax(masked, (299,), 0, 1, None)  # every key, masked by -inf
+    assert mx.array_equal(free, whole).item()
+
+
+@linux
+@pytest.mark.parametrize("window", [None, 200])
+def test_raw_prefill_through_the_native_softmax_equals_mx_fast(monkeypatch, window):
+    """A long prefill chunk over raw K/V (query blocks, keys cut to what each
+    block sees, the native softmax) is the attention mx.fast computes."""
+    rng = np.random.default_rng(5)
+    B, n_q, n_kv, L, S, D = 1, 6, 2, 700, 1500, 64
+    q = mx.array(rng.standard_normal((B, n_q, L, D)).astype(np.float32))
+    k = mx.array(rng.standard_normal((B, n_kv, S, D)).astype(np.float32))
+    v = mx.array(rng.standard_normal((B, n_kv, S, D)).astype(np.float32))
+    monkeypatch.setattr(attention, "_QUERY_BLOCK", 128)
+    mask = "causal" if window is None else attention.Causal((S - L,), window)
+    got = attention.quantized_attention(q, k, v, 0.125, mask)
+    dense = mask if window is None else mask.array(L, S)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=dense)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
 def test_fallbacks_say_why(monkeypatch):
     """Turned off, missing, or built for another MLX: not used, and the
     status names the reason; attention then runs MLX's operations."""

@@ -693,7 +693,7 @@ def test_raw_rows_attended_in_groups_match_one_row_at_a_time(L, sinks):
         got = attention.paged_attention(q, kk, vv, D**-0.5, None, s)
         for b in range(4):
             base, end = kk.bases[b], kk.ends[b]
-            m = attention._position_mask(L, base, end, window)
+            m = attention.Causal((end - base - L,), window or 0).array(L, end - base)
             want = mx.fast.scaled_dot_product_attention(
                 q[b : b + 1], kk.row(b), vv.row(b), scale=D**-0.5, mask=m, sinks=s
             )

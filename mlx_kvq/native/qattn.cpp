@@ -66,6 +66,79 @@ inline float hsum(f8 v) {
 typedef uint32_t u8v __attribute__((vector_size(32)));
 typedef int32_t i8v __attribute__((vector_size(32)));
 
+// exp(x): 2^n * p(r), Cephes' degree-5 polynomial on [-ln2/2, ln2/2], relative
+// error ~1e-7; 0 below -87 (-inf included), x clamped at 88.
+__attribute__((always_inline)) inline f8 exp8(f8 x) {
+  const f8 hi = (f8){} + 88.0f, lo = (f8){} - 87.0f;
+  auto under = x < lo;
+  x = x > hi ? hi : x;
+  x = under ? lo : x;
+  const f8 magic = (f8){} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  f8 n = (x * 1.44269504088896341f + magic) - magic;
+  f8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f8 p = (f8){} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  i8v e = (__builtin_convertvector(n, i8v) + 127) << 23;
+  f8 scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return under ? (f8){} : p * scale;
+}
+
+__attribute__((always_inline)) inline float exp1(float x) {
+  f8 v = exp8((f8){} + x);
+  return v[0];
+}
+
+// The largest of s[a, e) (-inf if empty).
+KVQ_CLONES float range_max(const float* s, int a, int e) {
+  float best = -INFINITY;
+  int i = a;
+  f8 vb = (f8){} - INFINITY;
+  for (; i + 8 <= e; i += 8) {
+    f8 v = load8(s + i);
+    vb = v > vb ? v : vb;
+  }
+  for (int j = 0; j < 8; ++j) best = std::max(best, vb[j]);
+  for (; i < e; ++i) best = std::max(best, s[i]);
+  return best;
+}
+
+// o[i] = exp(s[i] - best) for i in [a, e), 0 elsewhere in [0, S) (o may be s);
+// returns their sum. The sum runs over 8-lane vectors aligned to slot 0, masked
+// slots adding zeros: it does not depend on how many masked slots a row has or
+// where its range is cut, so every layout of the same keys computes the same.
+KVQ_CLONES float exp_range(const float* s, float* o, int S, int a, int e, float best) {
+  if (best == -INFINITY || e <= a) {
+    std::fill(o, o + S, 0.0f);
+    return 0.0f;
+  }
+  f8 vt = {};
+  for (int i = a & ~7; i < e; i += 8) {
+    if (i >= a && i + 8 <= e) {
+      f8 v = exp8(load8(s + i) - best);
+      store8(o + i, v);
+      vt += v;
+      continue;
+    }
+    float x[8];
+    for (int j = 0; j < 8; ++j) x[j] = i + j >= a && i + j < e ? s[i + j] - best : -INFINITY;
+    f8 v = exp8(load8(x));
+    for (int j = 0; j < 8; ++j) {
+      if (i + j >= a && i + j < e) o[i + j] = v[j];
+    }
+    vt += v;
+  }
+  std::fill(o, o + a, 0.0f);
+  std::fill(o + e, o + S, 0.0f);
+  return hsum(vt);
+}
+
+
 // The eight `bits`-wide integers in the low 8 * bits bits of `x`, as floats
 // (vector shifts of broadcast words: nothing goes through memory).
 template <int bits>
@@ -678,25 +751,12 @@ void run_paged(const PagedParams& pp, const std::vector<mx::array>& in, mx::arra
     paged_scores_bits<S>(pp.kbits, qr, M, Dk, kp, h, table, bases[b], p0, p1, pp.kgs, s.data());
     for (int m = 0; m < M; ++m) {
       int qpos = ends[b] - L + m % L;
-      int first = pp.window > 0 ? qpos - pp.window + 1 : INT32_MIN;
+      int e = std::clamp(qpos - p0 + 1, 0, n);
+      int a = pp.window > 0 ? std::clamp(qpos - pp.window + 1 - p0, 0, e) : 0;
       float* sr = s.data() + size_t(m) * n;
-      float best = -INFINITY;
-      for (int i = 0; i < n; ++i) {
-        int p = p0 + i;
-        if (p > qpos || p < first) {
-          sr[i] = -INFINITY;
-        } else {
-          best = std::max(best, sr[i]);
-        }
-      }
-      float total = 0.0f;
-      for (int i = 0; i < n; ++i) {
-        float e = best == -INFINITY ? 0.0f : std::exp(sr[i] - best);
-        sr[i] = e;
-        total += e;
-      }
+      float best = range_max(sr, a, e);
       mx_[m] = best;
-      sm[m] = total;
+      sm[m] = exp_range(sr, sr, n, a, e, best);
     }
     paged_weighted_bits<S>(pp.vbits, s.data(), M, Dv, vp, h, table, bases[b], p0, p1, pp.vgs, acc);
   });
@@ -707,14 +767,14 @@ void run_paged(const PagedParams& pp, const std::vector<mx::array>& in, mx::arra
       for (int c = 0; c < chunks; ++c) best = std::max(best, pmax[(size_t(bh) * chunks + c) * M + m]);
       float sink = pp.sinks ? sinks[h * (M / L) + m / L] : -INFINITY;
       float top = std::max(best, sink);
-      float total = pp.sinks ? std::exp(sink - top) : 0.0f;
+      float total = pp.sinks ? exp1(sink - top) : 0.0f;
       float* o = ob + (size_t(bh) * M + m) * Dv;
       std::fill(o, o + Dv, 0.0f);
       for (int c = 0; c < chunks; ++c) {
         size_t t = size_t(bh) * chunks + c;
         float mc = pmax[t * M + m];
         if (mc == -INFINITY) continue;
-        float w = std::exp(mc - top);
+        float w = exp1(mc - top);
         total += w * psum[t * M + m];
         const float* a = pacc.data() + (t * M + m) * Dv;
         for (int d = 0; d < Dv; ++d) o[d] += w * a[d];
@@ -807,6 +867,106 @@ mx::array paged_attention(const mx::array& q, const mx::array& kw, const mx::arr
                     c(tables), c(bases), c(ends), c(mx::astype(sinks, mx::float32, s))});
 }
 
+// -- causal softmax ----------------------------------------------------------
+//
+// Softmax of attention scores under a causal (optionally windowed) mask given
+// by positions, with optional sinks: what prefill needs between its two
+// products. MLX's CPU softmax computes exp one element at a time (~16 ns per
+// score here) and the mask is another pass over the matrix; this one reads
+// each row once for its maximum and once for exp, with a vector exp.
+//
+// scores (B, H, R, S): R = n_rep * rows query rows per KV head, rows of query
+// head h * n_rep + r / rows; query row r sees key slot i iff
+// shift[b] + m - window < i <= shift[b] + m (window 0: no lower bound), where
+// m = r % rows.
+
+struct SoftmaxParams {
+  int rows, window, n_rep;
+  bool sinks;
+};
+
+KVQ_CLONES void softmax_row(const float* s, float* o, int S, int a, int e, float sink, bool has_sink) {
+  float best = std::max(has_sink ? sink : -INFINITY, range_max(s, a, e));
+  float total = exp_range(s, o, S, a, e, best);
+  if (best == -INFINITY) return;  // every score masked out (and no sink)
+  if (has_sink) total += exp1(sink - best);
+  f8 inv = (f8){} + 1.0f / total;
+  int i = a;
+  for (; i + 8 <= e; i += 8) store8(o + i, load8(o + i) * inv);
+  for (; i < e; ++i) o[i] *= inv[0];
+}
+
+void run_softmax(const SoftmaxParams& p, const std::vector<mx::array>& in, mx::array& out) {
+  const mx::array& sc = in[0];
+  const int32_t* shift = in[1].data<int32_t>();
+  const float* sinks = in[2].data<float>();
+  int B = sc.shape(0), H = sc.shape(1), R = sc.shape(2), S = sc.shape(3);
+  const float* sb = sc.data<float>();
+  float* ob = out.data<float>();
+  int shifts = in[1].size();
+  int64_t work = int64_t(B) * H * R * S / 8;
+  parallel_for(B * H, work, [&](int bh) {
+    int b = bh / H, h = bh % H;
+    int sh = shift[shifts == 1 ? 0 : b];
+    for (int r = 0; r < R; ++r) {
+      int m = r % p.rows;
+      int last = sh + m;  // the last key slot this query sees
+      int e = std::min(S, std::max(0, last + 1));
+      int a = p.window > 0 ? std::min(e, std::max(0, last - p.window + 1)) : 0;
+      size_t off = (size_t(bh) * R + r) * S;
+      float sink = p.sinks ? sinks[h * p.n_rep + r / p.rows] : 0.0f;
+      softmax_row(sb + off, ob + off, S, a, e, sink, p.sinks);
+    }
+  });
+}
+
+class CausalSoftmax : public mx::Primitive {
+ public:
+  CausalSoftmax(mx::Stream s, SoftmaxParams p) : mx::Primitive(s), p_(p) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([inputs, out, p = p_]() mutable { run_softmax(p, inputs, out); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("kvq native: CPU only");
+  }
+
+  const char* name() const override { return "KvqCausalSoftmax"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const CausalSoftmax*>(&other);
+    return o && std::memcmp(&o->p_, &p_, sizeof(p_)) == 0;
+  }
+
+ private:
+  SoftmaxParams p_;
+};
+
+mx::array causal_softmax(const mx::array& scores, const mx::array& shift, const mx::array& sinks,
+                         int rows, int window, int n_rep, bool has_sinks) {
+  auto s = mx::default_stream(mx::Device::cpu);
+  if (scores.ndim() != 4 || shift.dtype() != mx::int32 || shift.ndim() != 1 ||
+      (shift.size() != 1 && int(shift.size()) != scores.shape(0)) || rows <= 0 || n_rep <= 0 ||
+      scores.shape(2) != rows * n_rep || window < 0) {
+    throw std::invalid_argument(
+        "kvq native: scores (B, H, n_rep * rows, S), int32 shift (1 or B), window >= 0");
+  }
+  if (has_sinks && int(sinks.size()) < scores.shape(1) * n_rep) {
+    throw std::invalid_argument("kvq native: one sink per query head");
+  }
+  SoftmaxParams p{rows, window, n_rep, has_sinks};
+  auto c = [&](const mx::array& a) { return mx::contiguous(a, false, s); };
+  return mx::array(scores.shape(), mx::float32, std::make_shared<CausalSoftmax>(s, p),
+                   {c(mx::astype(scores, mx::float32, s)), c(shift),
+                    c(mx::astype(sinks, mx::float32, s))});
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -830,4 +990,8 @@ NB_MODULE(_native, m) {
         "kgs"_a, "vbits"_a, "vgs"_a, "has_sinks"_a,
         "float32 attention of q (B, H, M, Dk) over block pools read through block tables "
         "(bits 0: raw pools, passed as kw/ks/kb and vw/vs/vb alike)");
+  m.def("causal_softmax", &causal_softmax, "scores"_a, "shift"_a, "sinks"_a, "rows"_a,
+        "window"_a, "n_rep"_a, "has_sinks"_a,
+        "float32 softmax of scores (B, H, n_rep * rows, S) under a causal mask by positions: "
+        "row r sees key slots (shift + m - window, shift + m], m = r % rows");
 }
