@@ -6,6 +6,8 @@ this is the only file to change.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,40 @@ def decoding_caches(generator: BatchGenerator) -> list[Any]:
     """The per-layer caches of the sequences a `BatchGenerator` is decoding
     (mlx-lm 0.32.2: `_generation_batch`), without the prompts it processes."""
     return list(generator._generation_batch.prompt_cache)
+
+
+def prompt_chunks(generator: BatchGenerator) -> list[int]:
+    """Tokens each prompt would take in the batch's next step if its chunk
+    had no limit: the rest of its current segment, for the prompts being
+    processed and for the queued ones that join them in that step.
+
+    mlx-lm 0.32.2's `_next` takes `min(len(segment), prefill_step_size)`
+    tokens of every prompt (`_currently_processing[i][0]` and, for the
+    queued, `_unprocessed_sequences[j][1]`, are their segments), right-pads
+    them to the longest and runs the model on all; a prompt whose only
+    segment is its last token moves to decoding instead.
+    """
+    joining = min(
+        generator.prefill_batch_size - len(generator._prompt_batch),
+        generator.completion_batch_size - len(generator._generation_batch),
+        len(generator._unprocessed_sequences),
+    )
+    segments = [p[0] for p in generator._currently_processing]
+    segments += [generator._unprocessed_sequences[j][1] for j in range(max(0, joining))]
+    return [len(s[0]) for s in segments if not (len(s) == 1 and len(s[0]) == 1)]
+
+
+@contextmanager
+def chunk_limit(generator: BatchGenerator, tokens: int) -> Iterator[None]:
+    """Within the block, a prompt takes at most `tokens` per step (mlx-lm
+    0.32.2 reads `prefill_step_size` in `_next`; the prompt batch splits its
+    model calls by its own copy, which stays)."""
+    step = generator.prefill_step_size
+    generator.prefill_step_size = tokens
+    try:
+        yield
+    finally:
+        generator.prefill_step_size = step
 
 
 def pending_token(generator: BatchGenerator, uid: int) -> tuple[int, mx.array] | None:

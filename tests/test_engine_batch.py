@@ -288,3 +288,42 @@ def test_other_kv_settings_warm_up_and_serve(loaded, kv):
         assert c.end.usage.completion_tokens == len(c.tokens)
     finally:
         eng.stop()
+
+
+@pytest.mark.parametrize("block_size", [16, None])  # paged and padded rows
+def test_prompts_of_different_lengths_are_prefilled_without_padding(loaded, block_size, tmp_path):
+    """A long prompt and a short one admitted in the same step: the step gives
+    both the short one's tokens (mlx-lm right-pads a step's chunks to the
+    longest, computing the padding), then the long one goes on alone; each
+    answer is the one it gets alone."""
+    model, tokenizer, plan, kv = loaded
+    long, short = list(range(3, 303)), list(range(40, 60))
+    options = dict(prompt_cache_size=0, max_context=plan.max_context, prefill_step_size=128,
+                   block_size=block_size)  # fmt: skip
+    eng = Engine(model, tokenizer, plan, kv, EngineOptions(**options))
+    eng.start()
+    alone = [submit(eng, p, max_tokens=4).wait().tokens for p in (long, short)]
+    eng.stop()
+    calls = []
+    inner = type(model).__call__
+
+    def recording(self, inputs, *args, **kwargs):
+        calls.append(tuple(inputs.shape))
+        return inner(self, inputs, *args, **kwargs)
+
+    gate = tmp_path / "gate"
+    eng = Engine(model, tokenizer, plan, kv, EngineOptions(**options, warmup_gate=str(gate)))
+    eng.start()
+    both = [submit(eng, p, max_tokens=4) for p in (long, short)]  # queued: admitted together
+    type(model).__call__ = recording
+    try:
+        gate.touch()
+        assert [c.wait().tokens for c in both] == alone
+    finally:
+        type(model).__call__ = inner
+        eng.stop()
+    # both take the short one's tokens but its last (it starts decoding); the
+    # warm-up's own calls are shorter, and nothing with both rows is wider
+    assert (2, len(short) - 1) in calls, calls
+    assert max(n for rows, n in calls if rows == 2) == len(short) - 1, calls
+    assert (1, 128) in calls  # the long one's next chunks, alone

@@ -40,7 +40,13 @@ from mlx_kvq.caches import (
     unpage_caches,
 )
 from mlx_kvq.config import PAGED_BLOCK_SIZE
-from mlx_kvq.mlx_lm_internals import batch_caches, decoding_caches, pending_token
+from mlx_kvq.mlx_lm_internals import (
+    batch_caches,
+    chunk_limit,
+    decoding_caches,
+    pending_token,
+    prompt_chunks,
+)
 
 from .scheduler import Sequence
 from .speculation import DraftModel, LaneWork, SpeculativeLane
@@ -271,7 +277,12 @@ class BatchRunner:
         return {by_uid[u].id: v for u, v in self._bg.extract_cache(list(by_uid)).items()}
 
     def step(self) -> BatchStep:
-        with self._bg.stats() as stats:
+        # Every prompt of a step takes the same number of tokens: mlx-lm pads
+        # the step's chunks to the longest and computes the padding, so a
+        # 2,048-token chunk of a long prompt beside short ones would cost the
+        # short ones 2,048 tokens each. The long prompt waits a step instead.
+        chunk = min([self.options.prefill_step, *prompt_chunks(self._bg)])
+        with chunk_limit(self._bg, chunk), self._bg.stats() as stats:
             prompt, tokens = self._bg.next()
         return BatchStep(
             tuple(prompt), tuple(tokens), stats.prompt_tokens, stats.prompt_time,
