@@ -110,12 +110,13 @@ class OutputProcessor:
     def complete(
         self, seq: Sequence, reason: FinishReason, cache: list | None, tokens: list[int] | None
     ) -> None:
-        """Answer `seq` with its finish event and keep its cache for reuse."""
+        """Answer `seq` with its finish event, then keep its cache for reuse (the
+        store waits for the batch's step ahead, which the answer need not)."""
         self.scheduler.finish(seq)
-        if cache is not None and tokens:
-            self.memory.store_prompt(tokens, cache, Segment.ANSWER)
         usage = Usage(len(seq.request.prompt), seq.completion_tokens, seq.cached)
         seq.sink(FinishEvent(reason, usage))
+        if cache is not None and tokens:
+            self.memory.store_prompt(tokens, cache, Segment.ANSWER)
         self.metrics.count_request(Outcome.OK)
         log.info(
             "request %d: %d prompt tokens (%d cached), %d generated, %s, %.2fs%s",
