@@ -460,10 +460,14 @@ void run_bits(Kind kind, int bits, const std::vector<mx::array>& in, mx::array& 
   }
 }
 
-class PackedProduct : public mx::Primitive {
+// An MLX primitive that runs `run(params, inputs, out)` on the CPU stream into
+// a new float32 output (every kernel here is one).
+template <typename P>
+class CpuKernel : public mx::Primitive {
  public:
-  PackedProduct(mx::Stream s, Kind kind, int bits, int group_size)
-      : mx::Primitive(s), kind_(kind), bits_(bits), gs_(group_size) {}
+  using Run = void (*)(const P&, const std::vector<mx::array>&, mx::array&);
+  CpuKernel(mx::Stream s, const P& p, Run run, const char* name)
+      : mx::Primitive(s), p_(p), run_(run), name_(name) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -471,38 +475,61 @@ class PackedProduct : public mx::Primitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([inputs, out, kind = kind_, bits = bits_, gs = gs_]() mutable {
-      auto dt = inputs[2].dtype();
-      if (dt == mx::float16) {
-        run_bits<mx::float16_t>(kind, bits, inputs, out, gs);
-      } else if (dt == mx::bfloat16) {
-        run_bits<mx::bfloat16_t>(kind, bits, inputs, out, gs);
-      } else {
-        run_bits<float>(kind, bits, inputs, out, gs);
-      }
-    });
+    enc.dispatch([inputs, out, p = p_, run = run_]() mutable { run(p, inputs, out); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("kvq native: CPU only");
   }
 
-  const char* name() const override {
-    return kind_ == Kind::Scores     ? "KvqPackedScores"
-           : kind_ == Kind::Weighted ? "KvqPackedWeighted"
-                                     : "KvqChannelScores";
-  }
+  const char* name() const override { return name_; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const PackedProduct*>(&other);
-    return o && o->kind_ == kind_ && o->bits_ == bits_ && o->gs_ == gs_;
+    auto* o = dynamic_cast<const CpuKernel*>(&other);
+    return o && o->run_ == run_ && std::memcmp(&o->p_, &p_, sizeof(p_)) == 0;
   }
 
  private:
-  Kind kind_;
-  int bits_;
-  int gs_;
+  P p_;
+  Run run_;
+  const char* name_;
 };
+
+// Scale and bias types dispatched at run time: float16, bfloat16 or float32.
+template <template <typename> class F, typename... A>
+void by_scale_dtype(mx::Dtype dt, A&&... args) {
+  if (dt == mx::float16) {
+    F<mx::float16_t>::run(args...);
+  } else if (dt == mx::bfloat16) {
+    F<mx::bfloat16_t>::run(args...);
+  } else {
+    F<float>::run(args...);
+  }
+}
+
+struct ProductParams {
+  Kind kind;
+  int bits, gs;
+};
+
+template <typename S>
+struct RunProduct {
+  static void run(const ProductParams& p, const std::vector<mx::array>& in, mx::array& out) {
+    run_bits<S>(p.kind, p.bits, in, out, p.gs);
+  }
+};
+
+void run_product(const ProductParams& p, const std::vector<mx::array>& in, mx::array& out) {
+  by_scale_dtype<RunProduct>(in[2].dtype(), p, in, out);
+}
+
+std::shared_ptr<mx::Primitive> product(mx::Stream s, Kind kind, int bits, int gs) {
+  const char* name = kind == Kind::Scores     ? "KvqPackedScores"
+                     : kind == Kind::Weighted ? "KvqPackedWeighted"
+                                              : "KvqChannelScores";
+  return std::make_shared<CpuKernel<ProductParams>>(s, ProductParams{kind, bits, gs}, run_product,
+                                                    name);
+}
 
 void check(const mx::array& x, const mx::array& w, const mx::array& s, const mx::array& b,
            int bits, int gs) {
@@ -530,7 +557,7 @@ mx::array packed_scores(const mx::array& q, const mx::array& w, const mx::array&
   mx::Shape shape = {q.shape(0), q.shape(1), q.shape(2), w.shape(2)};
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(shape, mx::float32,
-                   std::make_shared<PackedProduct>(s, Kind::Scores, bits, group_size),
+                   product(s, Kind::Scores, bits, group_size),
                    {mx::astype(q, mx::float32, s), w, scales, biases});
 }
 
@@ -554,7 +581,7 @@ mx::array channel_scores(const mx::array& q, const mx::array& w, const mx::array
   mx::Shape shape = {q.shape(0), q.shape(1), q.shape(2), int(N)};
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(shape, mx::float32,
-                   std::make_shared<PackedProduct>(s, Kind::ChannelScores, bits, group_size),
+                   product(s, Kind::ChannelScores, bits, group_size),
                    {mx::astype(q, mx::float32, s), w, scales, biases});
 }
 
@@ -566,7 +593,7 @@ mx::array packed_weighted(const mx::array& p, const mx::array& w, const mx::arra
   mx::Shape shape = {p.shape(0), p.shape(1), p.shape(2), D};
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(shape, mx::float32,
-                   std::make_shared<PackedProduct>(s, Kind::Weighted, bits, group_size),
+                   product(s, Kind::Weighted, bits, group_size),
                    {mx::astype(p, mx::float32, s), w, scales, biases});
 }
 
@@ -785,42 +812,17 @@ void run_paged(const PagedParams& pp, const std::vector<mx::array>& in, mx::arra
   }
 }
 
-class PagedAttention : public mx::Primitive {
- public:
-  PagedAttention(mx::Stream s, PagedParams p) : mx::Primitive(s), p_(p) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    enc.dispatch([inputs, out, p = p_]() mutable {
-      auto dt = (p.kbits == 0 ? inputs[1] : inputs[2]).dtype();  // raw rows, or scales
-      if (dt == mx::float16) {
-        run_paged<mx::float16_t>(p, inputs, out);
-      } else if (dt == mx::bfloat16) {
-        run_paged<mx::bfloat16_t>(p, inputs, out);
-      } else {
-        run_paged<float>(p, inputs, out);
-      }
-    });
+template <typename S>
+struct RunPaged {
+  static void run(const PagedParams& p, const std::vector<mx::array>& in, mx::array& out) {
+    run_paged<S>(p, in, out);
   }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("kvq native: CPU only");
-  }
-
-  const char* name() const override { return "KvqPagedAttention"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const PagedAttention*>(&other);
-    return o && std::memcmp(&o->p_, &p_, sizeof(p_)) == 0;
-  }
-
- private:
-  PagedParams p_;
 };
+
+void run_paged_any(const PagedParams& p, const std::vector<mx::array>& in, mx::array& out) {
+  // the raw rows' dtype, or the scales'
+  by_scale_dtype<RunPaged>((p.kbits == 0 ? in[1] : in[2]).dtype(), p, in, out);
+}
 
 mx::array paged_attention(const mx::array& q, const mx::array& kw, const mx::array& ks,
                           const mx::array& kb, const mx::array& vw, const mx::array& vs,
@@ -862,7 +864,8 @@ mx::array paged_attention(const mx::array& q, const mx::array& kw, const mx::arr
   mx::Shape shape = {q.shape(0), q.shape(1), q.shape(2), Dv};
   PagedParams p{L, window, kbits, kgs, vbits, vgs, has_sinks};
   auto c = [&](const mx::array& a) { return mx::contiguous(a, false, s); };
-  return mx::array(shape, mx::float32, std::make_shared<PagedAttention>(s, p),
+  auto kernel = std::make_shared<CpuKernel<PagedParams>>(s, p, run_paged_any, "KvqPagedAttention");
+  return mx::array(shape, mx::float32, kernel,
                    {c(mx::astype(q, mx::float32, s)), c(kw), c(ks), c(kb), c(vw), c(vs), c(vb),
                     c(tables), c(bases), c(ends), c(mx::astype(sinks, mx::float32, s))});
 }
@@ -885,7 +888,8 @@ struct SoftmaxParams {
   bool sinks;
 };
 
-KVQ_CLONES void softmax_row(const float* s, float* o, int S, int a, int e, float sink, bool has_sink) {
+KVQ_CLONES void softmax_row(const float* s, float* o, int S, int a, int e, float sink,
+                            bool has_sink) {
   float best = std::max(has_sink ? sink : -INFINITY, range_max(s, a, e));
   float total = exp_range(s, o, S, a, e, best);
   if (best == -INFINITY) return;  // every score masked out (and no sink)
@@ -920,34 +924,6 @@ void run_softmax(const SoftmaxParams& p, const std::vector<mx::array>& in, mx::a
   });
 }
 
-class CausalSoftmax : public mx::Primitive {
- public:
-  CausalSoftmax(mx::Stream s, SoftmaxParams p) : mx::Primitive(s), p_(p) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    enc.dispatch([inputs, out, p = p_]() mutable { run_softmax(p, inputs, out); });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("kvq native: CPU only");
-  }
-
-  const char* name() const override { return "KvqCausalSoftmax"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const CausalSoftmax*>(&other);
-    return o && std::memcmp(&o->p_, &p_, sizeof(p_)) == 0;
-  }
-
- private:
-  SoftmaxParams p_;
-};
-
 mx::array causal_softmax(const mx::array& scores, const mx::array& shift, const mx::array& sinks,
                          int rows, int window, int n_rep, bool has_sinks) {
   auto s = mx::default_stream(mx::Device::cpu);
@@ -962,7 +938,8 @@ mx::array causal_softmax(const mx::array& scores, const mx::array& shift, const 
   }
   SoftmaxParams p{rows, window, n_rep, has_sinks};
   auto c = [&](const mx::array& a) { return mx::contiguous(a, false, s); };
-  return mx::array(scores.shape(), mx::float32, std::make_shared<CausalSoftmax>(s, p),
+  auto kernel = std::make_shared<CpuKernel<SoftmaxParams>>(s, p, run_softmax, "KvqCausalSoftmax");
+  return mx::array(scores.shape(), mx::float32, kernel,
                    {c(mx::astype(scores, mx::float32, s)), c(shift),
                     c(mx::astype(sinks, mx::float32, s))});
 }
