@@ -8,9 +8,10 @@ file), since only a plan's caches hand attention what mlx-lm's cannot read.
 the keys and values *are*, not on the cache object: packed `QuantizedKV`
 goes to `quantized_attention`, arrays go to `mx.fast` (on the CPU, causal
 prefill over arrays goes to `quantized_attention` too: its blocked products
-and native softmax run 3x faster than `mx.fast`'s CPU path on a 4k prompt). That is what makes
-KV-shared layers work (gemma4_text calls attention with `cache=None` but
-hands over the owner layer's packed K/V) and attention sinks work (gpt-oss).
+and native softmax run 3x faster than `mx.fast`'s CPU path on a 4k prompt).
+That is what makes KV-shared layers work (gemma4_text calls attention with
+`cache=None` but hands over the owner layer's packed K/V) and attention
+sinks work (gpt-oss).
 
 Compute precision is a per-backend choice, made from the device attention
 runs on (`current_backend`): on the CPU `mx.quantized_matmul` in
