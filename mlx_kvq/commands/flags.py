@@ -105,7 +105,7 @@ def add_prompt_cache_file_flag(
 def add_prefill_step_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP,
-        help=f"prompt tokens per prefill step (default: {DEFAULT_PREFILL_STEP})",
+        help=f"most prompt tokens per prefill step (default: {DEFAULT_PREFILL_STEP})",
     )  # fmt: skip
 
 
