@@ -21,6 +21,7 @@ from mlx_kvq.engine import (
     FinishEvent,
     GenerationRequest,
     SamplingParams,
+    Segment,
     TokenEvent,
 )
 from mlx_kvq.plan import plan_kv
@@ -327,3 +328,27 @@ def test_prompts_of_different_lengths_are_prefilled_without_padding(loaded, bloc
     assert (2, len(short) - 1) in calls, calls
     assert max(n for rows, n in calls if rows == 2) == len(short) - 1, calls
     assert (1, 128) in calls  # the long one's next chunks, alone
+
+
+def test_the_answer_finishes_before_its_cache_is_stored(engine, loaded, monkeypatch):
+    """The finish event goes out first: storing the cache waits for the batch's
+    step ahead, which the answer does not need."""
+    tokenizer = loaded[1]
+    c = Collector()
+    seen_at_store = []
+    store = type(engine.memory).store_prompt
+
+    def recording(self, tokens, cache, segment=Segment.ANSWER):
+        if segment is Segment.ANSWER:
+            seen_at_store.append(c.done.is_set())
+        return store(self, tokens, cache, segment)
+
+    monkeypatch.setattr(type(engine.memory), "store_prompt", recording)
+    req = GenerationRequest(
+        tokenizer.encode("Store me after the answer"), SamplingParams(max_tokens=3)
+    )
+    engine.submit(req, c)
+    c.wait()
+    assert isinstance(c.end, FinishEvent)
+    wait_until(lambda: seen_at_store, "the answer's cache stored")
+    assert seen_at_store == [True]

@@ -175,6 +175,29 @@ def test_raw_prefill_through_the_native_softmax_equals_mx_fast(monkeypatch, wind
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
+@linux
+def test_cpu_prefill_over_raw_kv_takes_the_native_softmax(monkeypatch):
+    """mlx-lm's attention call with raw K/V and a "causal" prefill chunk runs
+    through the native softmax on the CPU (not mx.fast's CPU path), with
+    mx.fast's result; a decode row keeps mx.fast."""
+    calls = []
+    inner = attention.causal_softmax
+    monkeypatch.setattr(
+        attention, "causal_softmax", lambda *a, **k: calls.append(1) or inner(*a, **k)
+    )
+    rng = np.random.default_rng(8)
+    q = mx.array(rng.standard_normal((1, 4, 40, 32)).astype(np.float32))
+    k = mx.array(rng.standard_normal((1, 2, 90, 32)).astype(np.float32))
+    v = mx.array(rng.standard_normal((1, 2, 90, 32)).astype(np.float32))
+    got = attention.scaled_dot_product_attention(q, k, v, None, 0.2, "causal")
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+    assert calls
+    calls.clear()
+    attention.scaled_dot_product_attention(q[:, :, :1], k, v, None, 0.2, None)
+    assert not calls
+
+
 def test_fallbacks_say_why(monkeypatch):
     """Turned off, missing, or built for another MLX: not used, and the
     status names the reason; attention then runs MLX's operations."""
