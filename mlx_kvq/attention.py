@@ -304,6 +304,7 @@ class Causal:
         return replace(self, shift=tuple(s - lo for s in self.shift))
 
     def pick(self, b: int) -> Causal:
+        """The mask of sequence `b` alone."""
         return self if len(self.shift) == 1 else replace(self, shift=(self.shift[b],))
 
     def array(self, rows: int, keys: int) -> mx.array:
@@ -476,9 +477,7 @@ def _by_tokens(x) -> bool:
 
 def _tokens(x, lo: int, hi: int):
     """Tokens [lo, hi) of keys or values laid out (B, H, N, ...)."""
-    if isinstance(x, QuantizedKV):
-        return x.map(lambda a: a[..., lo:hi, :])
-    return x[..., lo:hi, :]
+    return x.tokens(lo, hi) if isinstance(x, QuantizedKV) else x[..., lo:hi, :]
 
 
 def paged_attention(
@@ -585,21 +584,16 @@ def _paged_raw_grouped(
         q = queries if rows == list(range(B)) else queries[mx.array(rows)]
         k = _gather_rows(keys.pool, ids).astype(q.dtype)
         v = _gather_rows(values.pool, ids).astype(q.dtype)
+        mask = Causal(tuple(int(x) - L for x in n[rows]), keys.window or 0)
         if _native():  # the native causal softmax (see `scaled_dot_product_attention`)
-            mask = Causal(tuple(int(x) - L for x in n[rows]), keys.window or 0)
             outs.append(quantized_attention(q, k, v, scale, mask, sinks))
-            order += rows
-            continue
-        base = np.asarray(keys.bases)[rows, None, None]
-        pos = base + np.arange(slots)[None, None]  # each slot's position
-        query = (np.asarray(keys.ends)[rows, None, None] - L) + np.arange(L)[None, :, None]
-        visible = (np.arange(slots)[None, None] < n[rows, None, None]) & (pos <= query)
-        if keys.window is not None:
-            visible &= pos > query - keys.window
-        mask = None if visible.all() else mx.array(visible[:, None])
-        outs.append(
-            mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
-        )
+        else:
+            seen = mask.array(L, slots)
+            if seen.ndim == 5:  # one mask per row, laid out for mx.fast: (rows, 1, L, slots)
+                seen = seen[:, :, 0]
+            outs.append(
+                mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=seen, sinks=sinks)
+            )
         order += rows
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     if order == list(range(B)):
