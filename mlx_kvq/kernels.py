@@ -8,7 +8,7 @@ needs, and what MLX's CPU `quantized_matmul` does slowly (scalar code that
 re-reads the packed matrix for every row); and a softmax under a causal mask
 given by positions (`causal_softmax`), what prefill needs between its two
 products, where MLX's CPU softmax computes exp one element at a time
-(7x slower). They are used only on the CPU, only
+(5-8x slower). They are used only on the CPU, only
 when the module was built against the running MLX version (MLX's C++ API has
 no stable ABI) and only after a self-check against `mx.dequantize` passed;
 otherwise attention keeps MLX's operations, and `native_status()` says why.
