@@ -39,7 +39,8 @@ import numpy as np
 from .blas import fast_float32_products
 from .kernels import causal_softmax, channel_scores, native_status, packed_scores, packed_weighted
 from .kernels import paged_attention as native_paged_attention
-from .quant import PagedKV, QuantizedKV, SplitKV, SplitRows, rotate
+from .kernels import paged_split_attention as native_paged_split_attention
+from .quant import PagedKV, PagedSplitKV, QuantizedKV, SplitKV, SplitRows, rotate
 
 # mlx-lm's own function, which its own QuantizedKVCache keeps using
 MLX_LM_ATTENTION = mlx_base.scaled_dot_product_attention
@@ -634,6 +635,39 @@ def split_rows_attention(
     return out[0] if B == 1 else mx.concatenate(out, axis=0)
 
 
+def paged_split_attention(
+    queries: mx.array,
+    keys: PagedSplitKV,
+    values: PagedSplitKV,
+    scale: float,
+    mask=None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Attention over split-layout rows in blocks (`PagedSplitKV`). On the
+    CPU with the native kernels, few query rows (decode) read the blocks in
+    place through the tables and each row's exact sinks and tail as they are
+    held (`kernels.paged_split_attention`); otherwise each row is laid out
+    (`SplitRows`) for `split_rows_attention`."""
+    B, n_q, L, D = queries.shape
+    n_kv = keys.shape[1]
+    n_rep = n_q // n_kv
+    packed = isinstance(keys.pool, QuantizedKV) and isinstance(values.pool, QuantizedKV)
+    if not (packed and n_rep * L < _DEQUANT_ROWS and _native()):
+        return split_rows_attention(queries, keys.rows(), values.rows(), scale, mask, sinks)
+    if mask is not None and not isinstance(mask, str):
+        raise ValueError(
+            "split-layout batches take masks from positions; this model passes a mask array "
+            "(serve it with --kv-residual 0 --kv-sinks 0 --kv-key-scales token)"
+        )
+    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, n_rep * L, D)
+    qb = rotate(q) if keys.pool.rotated else q
+    out = native_paged_split_attention(q, qb, keys, values, L, sinks)
+    if values.pool.rotated:
+        dv = out.shape[-1] // 2
+        out = out[..., :dv] + rotate(out[..., dv:])
+    return out.reshape(B, n_q, L, -1).astype(queries.dtype)
+
+
 # -- dispatch and its verification ------------------------------------------
 _counter: Counter | None = None
 
@@ -651,10 +685,12 @@ def scaled_dot_product_attention(
     mlx_lm_packed = isinstance(keys, tuple | list)
     ours = (QuantizedKV, SplitKV)
     packed = mlx_lm_packed or isinstance(keys, ours) or isinstance(values, ours)
-    if isinstance(keys, SplitRows):
+    if isinstance(keys, SplitRows | PagedSplitKV):
         if _counter is not None:
             _counter["quantized"] += 1
             _counter[("cache", id(cache), True)] += 1
+        if isinstance(keys, PagedSplitKV):
+            return paged_split_attention(queries, keys, values, scale, mask, sinks)
         return split_rows_attention(queries, keys, values, scale, mask, sinks)
     if isinstance(keys, PagedKV):
         if _counter is not None:

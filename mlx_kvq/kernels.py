@@ -3,7 +3,8 @@
 `mlx_kvq._native` (built by `pip install -e .` from `mlx_kvq/native/qattn.cpp`
 where a C++ compiler is present) adds MLX primitives that read packed
 K/V once and multiply them with a few rows at a time (per-token keys and
-values; per-channel keys, `channel_scores`; block pools, `paged_attention`): what decode attention
+values; per-channel keys, `channel_scores`; block pools, `paged_attention`,
+and the split layout's, `paged_split_attention`): what decode attention
 needs, and what MLX's CPU `quantized_matmul` does slowly (scalar code that
 re-reads the packed matrix for every row); and a softmax under a causal mask
 given by positions (`causal_softmax`), what prefill needs between its two
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .quant import PagedKV, QuantizedKV
+from .quant import PagedKV, PagedSplitKV, QuantizedKV
 
 ENV = "MLX_KVQ_NATIVE"
 
@@ -177,4 +178,31 @@ def paged_attention(
         mx.array(keys.ends, dtype=mx.int32),
         sinks.reshape(-1) if has_sinks else mx.zeros((1,)),
         L, keys.window or 0, kbits, kgs, vbits, vgs, has_sinks,
+    )  # fmt: skip
+
+
+def paged_split_attention(
+    q: mx.array, qb: mx.array, keys: PagedSplitKV, values: PagedSplitKV, L: int,
+    sinks: mx.array | None,
+) -> mx.array:  # fmt: skip
+    """float32 attention of `q` (B, H_kv, n_rep * L, Dk), scaled, over
+    split-layout rows in blocks (both pools packed): the blocks read in place
+    through the tables with `qb` (`q` in the body's basis), each row's exact
+    sinks and tail with `q`. With rotated values the body's share comes apart,
+    (B, H_kv, M, 2 * Dv): [exact share, body share in the rotated basis]."""
+    k, v = keys.pool, values.pool
+    H, Dk, Dv = q.shape[1], q.shape[3], v.scales.shape[3] * v.group_size
+    sd = k.scales.dtype
+    exact = []
+    for parts in zip(keys.sinks, values.sinks, keys.tails, values.tails, strict=True):
+        for a, d in zip(parts, (Dk, Dv, Dk, Dv), strict=True):
+            exact.append(mx.zeros((1, H, 0, d), sd) if a is None else a)
+    has_sinks = sinks is not None
+    return _module.paged_split_attention(
+        q, qb, k.data, k.scales, k.biases, v.data, v.scales, v.biases,
+        mx.array(keys.tables), mx.array(keys.blocks, dtype=mx.int32),
+        mx.array(keys.ends, dtype=mx.int32),
+        sinks.reshape(-1) if has_sinks else mx.zeros((1,)), exact,
+        L, keys.block_size, k.bits, k.group_size, v.bits, v.group_size,
+        k.per_channel, has_sinks, v.rotated,
     )  # fmt: skip

@@ -186,6 +186,43 @@ class SplitRows:
 
 
 @dataclass(frozen=True, eq=False)
+class PagedSplitKV:
+    """Keys or values of a batch of split-layout rows in blocks
+    (`caches/paged/split.py`), as attention receives them.
+
+    Row `b` holds positions `[0, ends[b])`: the first `blocks[b] *
+    block_size` in the blocks `tables[b]` of `pool` (quantized once, in the
+    body's basis), then its exact `tails[b]` `(1, H, n, D)`. Its exact
+    `sinks[b]` stand for the first slots of its first block (None: no block
+    yet, or no sinks). Its queries are the last positions before `ends[b]`
+    and see the keys at or before their own. `rows()` lays the same rows
+    out one by one (`SplitRows`, a copy of each row's blocks) for the paths
+    that read them so; it reads the cache as it is until the next write.
+    """
+
+    pool: QuantizedKV | mx.array
+    block_size: int
+    tables: np.ndarray  # (rows, width) int32 block ids, oldest first
+    blocks: tuple[int, ...]
+    ends: tuple[int, ...]
+    sinks: tuple[mx.array | None, ...]
+    tails: tuple[mx.array | None, ...]
+    rows: Callable[[], SplitRows]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Logical (rows, heads, longest row, dim); nothing has this shape in memory."""
+        p = self.pool
+        if not isinstance(p, QuantizedKV):
+            heads, dim = p.shape[2], p.shape[3]
+        elif p.per_channel:  # (blocks, heads, dim, packed tokens)
+            heads, dim = p.data.shape[1], p.data.shape[2]
+        else:  # (blocks, block_size, heads, dim / group_size) scales
+            heads, dim = p.scales.shape[2], p.scales.shape[3] * p.group_size
+        return (len(self.ends), heads, max(self.ends, default=0), dim)
+
+
+@dataclass(frozen=True, eq=False)
 class PagedKV:
     """Keys or values held in fixed-size blocks, as attention receives them.
 

@@ -4,6 +4,7 @@ prefix, each row's exact tail and sinks beside them (caches/paged/split.py)."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from kvq_testing.events import WAIT_S, Collector
 from kvq_testing.helpers import started
@@ -11,6 +12,7 @@ from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
 from mlx_lm.models import llama
 
+from mlx_kvq import attention
 from mlx_kvq import evaluate as ev
 from mlx_kvq.attention import count_attention
 from mlx_kvq.caches import (
@@ -23,12 +25,13 @@ from mlx_kvq.caches import (
     page_caches,
     unpage_caches,
 )
-from mlx_kvq.caches.paged import SplitBlockStorage
-from mlx_kvq.config import KVConfig
+from mlx_kvq.caches.paged import BlockPool, SplitBlockStorage
+from mlx_kvq.config import KVConfig, QuantSpec
 from mlx_kvq.engine import Engine, EngineOptions, GenerationRequest, SamplingParams
 from mlx_kvq.engine.runner import choose_layout
 from mlx_kvq.generate import get_plan
 from mlx_kvq.plan import plan_kv
+from mlx_kvq.quant import PagedSplitKV
 
 
 def _tiny():
@@ -58,11 +61,17 @@ def _paged(plan, pages: Pages) -> list:
 TOKENS = mx.random.randint(0, 128, (1, 150), key=mx.random.key(4))
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("sinks", [0, 4])
-def test_paged_rows_compute_what_the_padded_split_cache_computes(sinks):
+def test_paged_rows_compute_what_the_padded_split_cache_computes(sinks, native, monkeypatch):
     """Chunked prefill then decode. Without sinks the body's groups are the
-    padded cache's, so the logits are equal; with sinks the paged groups
-    start at position 0 (the padded ones after the sinks): close, same top token."""
+    padded cache's, so the logits are equal (to float rounding where the
+    native kernel reads the blocks in place: another order of sums); with
+    sinks the paged groups start at position 0 (the padded ones after the
+    sinks): close, same top token."""
+    if native and not attention._native():
+        pytest.skip("native kernels not built")
+    monkeypatch.setattr(attention, "_native", lambda n=attention._native() and native: n)
     model = _tiny()
     plan = get_plan(model, _cfg(sinks))
     padded = plan.make_cache()
@@ -78,6 +87,8 @@ def test_paged_rows_compute_what_the_padded_split_cache_computes(sinks):
         a = model(x, cache=padded)[:, -1]
         if sinks:
             assert mx.abs(a - b).max().item() < 0.1
+        elif native:
+            assert mx.abs(a - b).max().item() < 1e-5
         else:
             assert mx.array_equal(a, b).item()
         assert a.argmax().item() == b.argmax().item()
@@ -274,3 +285,50 @@ def test_eval_scores_the_paged_form():
     assert padded["paged_layers"] == 0 and paged["paged_layers"] == 2
     assert paged["kl_mean"] == pytest.approx(padded["kl_mean"], rel=1e-5)
     assert paged["top1"] == padded["top1"]
+
+
+SPLIT_CASES = [
+    # keys per channel with rotation, 4 sinks, values rotated: the shipped shape
+    (QuantSpec(4, 32, "hadamard", True, 4, 16), QuantSpec(3, 32, "hadamard", False, 4, 16)),
+    # keys per channel without rotation, no sinks, no exact tail
+    (QuantSpec(5, 32, per_channel=True), QuantSpec(6, 32, residual=0)),
+    # per-token keys with sinks and an exact tail
+    (QuantSpec(8, 32, sinks=2, residual=8), QuantSpec(4, 32, sinks=2, residual=8)),
+]
+
+
+@pytest.mark.parametrize("specs", SPLIT_CASES)
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_the_native_kernel_reads_the_blocks_in_place_as_the_rows_laid_out(specs, L, with_sinks):
+    """Rows of mixed lengths (one still without a block, one long enough to
+    be split across threads): the native decode kernel, which reads the
+    pool through the tables and the exact sinks and tails in place, gives
+    what attention over each row laid out gives."""
+    if not attention._native():
+        pytest.skip("native kernels not built")
+    ks, vs = specs
+    pool = BlockPool(32, ks, vs)
+    rng = np.random.default_rng(L)
+    H, NQ, D = 2, 6, 64
+    rows = [KVQPagedSplitSequence(pool) for _ in range(3)]
+    batch = KVQPagedSplitSequence.merge(rows)
+
+    def kv(n):
+        k = rng.standard_normal((3, H, n, D)).astype(np.float32)
+        k[..., 5] += 6.0  # an outlier channel, as real keys have
+        return mx.array(k), mx.array(rng.standard_normal((3, H, n, D)).astype(np.float32))
+
+    batch.prepare(lengths=[2100, 20, 300], right_padding=[0, 2080, 1800])
+    batch.update_and_fetch(*kv(2100))
+    batch.finalize()
+    kk, vv = batch.update_and_fetch(*kv(L))
+    assert isinstance(kk, PagedSplitKV) and kk.blocks[1] == 0 < kk.blocks[2] < kk.blocks[0]
+    q = mx.array(rng.standard_normal((3, NQ, L, D)).astype(np.float32))
+    s = mx.array(np.linspace(-1, 1, NQ).astype(np.float32)) if with_sinks else None
+    got = attention.paged_split_attention(q, kk, vv, D**-0.5, "causal" if L > 1 else None, s)
+    want = attention.split_rows_attention(
+        q, kk.rows(), vv.rows(), D**-0.5, "causal" if L > 1 else None, s
+    )
+    assert got.shape == want.shape == (3, NQ, L, D)
+    assert mx.abs(got - want).max().item() < 1e-5

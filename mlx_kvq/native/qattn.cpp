@@ -16,6 +16,7 @@
 // Python side uses these primitives only on the CPU.
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <climits>
@@ -870,6 +871,348 @@ mx::array paged_attention(const mx::array& q, const mx::array& kw, const mx::arr
                     c(tables), c(bases), c(ends), c(mx::astype(sinks, mx::float32, s))});
 }
 
+// ---- the split layout in blocks: exact sinks and tails beside the pool -----
+//
+// Row b holds positions [0, ends[b]): blocks tables[b][0 .. nblocks[b]) for
+// [0, nblocks[b] * block), quantized once in the body's basis (keys per
+// channel, `(blocks, heads, dim, block * bits / 32)`, or per token as `Pool`;
+// values per token), then its exact tail [nblocks[b] * block, ends[b]), 16-bit
+// rows `(1, heads, n, dim)` of its own. Its exact sinks, when it has them,
+// stand in for the first slots of its first block. The body is read with
+// `qb` (the queries in the body's basis), the exact rows with `q`; with
+// rotated values the body's share of the output is kept apart (the second
+// half of each output row) for the caller to rotate back.
+
+// One row's exact tokens: (heads, n, dim) rows of S, read in place.
+template <typename S>
+struct Exact {
+  const S* k;
+  const S* v;
+  int n;
+};
+
+template <typename S>
+inline float dot_exact(const float* q, const S* row, int D) {
+  float s = 0.0f;
+  if constexpr (std::is_same_v<S, float>) {
+    f8 a = {};
+    for (int i = 0; i < D; i += 8) a += load8(q + i) * load8(row + i);
+    return hsum(a);
+  } else {
+    alignas(32) float buf[512];
+    for (int i = 0; i < D; ++i) buf[i] = to_float(row[i]);
+    f8 a = {};
+    for (int i = 0; i < D; i += 8) a += load8(q + i) * load8(buf + i);
+    s = hsum(a);
+  }
+  return s;
+}
+
+// Scores of exact rows [t0, t1) of one head against M queries, into columns
+// col0.. of s (M x ld); and their weighted sum into acc (M x D).
+template <typename S>
+void exact_scores(const float* q, int M, int D, const S* rows, int t0, int t1, float* s, int ld,
+                  int col0) {
+  for (int t = t0; t < t1; ++t) {
+    const S* row = rows + size_t(t) * D;
+    for (int m = 0; m < M; ++m) s[size_t(m) * ld + col0 + t - t0] = dot_exact(q + size_t(m) * D, row, D);
+  }
+}
+
+template <typename S>
+void exact_weighted(const float* p, int M, int D, const S* rows, int t0, int t1, int ld, int col0,
+                    float* acc, int acc_ld) {
+  alignas(32) float buf[512];
+  for (int t = t0; t < t1; ++t) {
+    const S* row = rows + size_t(t) * D;
+    for (int i = 0; i < D; ++i) buf[i] = to_float(row[i]);
+    for (int m = 0; m < M; ++m) {
+      float pm0 = p[size_t(m) * ld + col0 + t - t0];
+      if (pm0 == 0.0f) continue;
+      f8 pm = (f8){} + pm0;
+      float* o = acc + size_t(m) * acc_ld;
+      for (int i = 0; i < D; i += 8) store8(o + i, load8(o + i) + pm * load8(buf + i));
+    }
+  }
+}
+
+// Scores of one block's slots [a, block) through a token-major pool.
+template <int bits, typename S>
+KVQ_CLONES void block_token_scores(const float* q, int M, int D, const Pool& k, int h, int64_t blk,
+                                   int a, int gs, float* s, int ld, int col0) {
+  alignas(32) float buf[512];
+  for (int j = a; j < k.block; ++j) {
+    int64_t r = (blk * k.block + j) * k.heads + h;
+    const float* row = pool_row<bits, S>(k, r, D, gs, buf);
+    for (int m = 0; m < M; ++m) {
+      const float* qm = q + size_t(m) * D;
+      f8 a0 = {}, a1 = {};
+      for (int i = 0; i < D; i += 16) {
+        a0 += load8(qm + i) * load8(row + i);
+        a1 += load8(qm + i + 8) * load8(row + i + 8);
+      }
+      s[size_t(m) * ld + col0 + j] = hsum(a0 + a1);
+    }
+  }
+}
+
+template <int bits, typename S>
+KVQ_CLONES void block_weighted(const float* p, int M, int D, const Pool& v, int h, int64_t blk,
+                               int a, int gs, int ld, int col0, float* acc, int acc_ld) {
+  alignas(32) float buf[512];
+  for (int j = a; j < v.block; ++j) {
+    int64_t r = (blk * v.block + j) * v.heads + h;
+    const float* row = pool_row<bits, S>(v, r, D, gs, buf);
+    for (int m = 0; m < M; ++m) {
+      float pm0 = p[size_t(m) * ld + col0 + j];
+      if (pm0 == 0.0f) continue;
+      f8 pm = (f8){} + pm0;
+      float* o = acc + size_t(m) * acc_ld;
+      for (int i = 0; i < D; i += 8) store8(o + i, load8(o + i) + pm * load8(row + i));
+    }
+  }
+}
+
+// A per-channel key pool: (blocks, heads, dim, block * bits / 32) words and
+// (blocks, heads, dim, block / gs) scales and biases.
+struct ChannelPool {
+  const uint8_t* w;
+  const void* s;
+  const void* b;
+  int64_t w_row;  // bytes per channel row of a block
+  int64_t s_row;  // scale entries per channel row of a block
+  int heads, dim;
+};
+
+template <int bits, typename S>
+void block_channel_scores(const float* q, int M, const ChannelPool& k, int h, int64_t blk, int block,
+                          int gs, float* s, int ld, int col0) {
+  int64_t row0 = (blk * k.heads + h) * k.dim;
+  channel_scores_groups<bits, S>(q, M, k.dim, k.w + row0 * k.w_row, k.w_row,
+                                 static_cast<const S*>(k.s) + row0 * k.s_row,
+                                 static_cast<const S*>(k.b) + row0 * k.s_row, k.s_row, gs, 0,
+                                 block / gs, s + col0, ld);
+}
+
+struct SplitParams {
+  int L, block, kbits, kgs, vbits, vgs;
+  bool channel, sinks, apart;
+};
+
+template <int bits, typename S>
+void key_block_any(const SplitParams& pp, const float* q, int M, int D, const Pool& kp,
+                   const ChannelPool& kc, int h, int64_t blk, float* s, int ld, int col0) {
+  if (pp.channel) {
+    block_channel_scores<bits, S>(q, M, kc, h, blk, pp.block, pp.kgs, s, ld, col0);
+  } else {
+    block_token_scores<bits, S>(q, M, D, kp, h, blk, 0, pp.kgs, s, ld, col0);
+  }
+}
+
+template <typename S>
+void key_block(const SplitParams& pp, const float* q, int M, int D, const Pool& kp,
+               const ChannelPool& kc, int h, int64_t blk, float* s, int ld, int col0) {
+  switch (pp.kbits) {
+    case 2: return key_block_any<2, S>(pp, q, M, D, kp, kc, h, blk, s, ld, col0);
+    case 3: return key_block_any<3, S>(pp, q, M, D, kp, kc, h, blk, s, ld, col0);
+    case 4: return key_block_any<4, S>(pp, q, M, D, kp, kc, h, blk, s, ld, col0);
+    case 5: return key_block_any<5, S>(pp, q, M, D, kp, kc, h, blk, s, ld, col0);
+    case 6: return key_block_any<6, S>(pp, q, M, D, kp, kc, h, blk, s, ld, col0);
+    case 8: return key_block_any<8, S>(pp, q, M, D, kp, kc, h, blk, s, ld, col0);
+    default: throw std::invalid_argument("kvq native: unsupported bits");
+  }
+}
+
+template <typename S>
+void value_block(int bits, const float* p, int M, int D, const Pool& v, int h, int64_t blk, int a,
+                 int gs, int ld, int col0, float* acc, int acc_ld) {
+  switch (bits) {
+    case 2: return block_weighted<2, S>(p, M, D, v, h, blk, a, gs, ld, col0, acc, acc_ld);
+    case 3: return block_weighted<3, S>(p, M, D, v, h, blk, a, gs, ld, col0, acc, acc_ld);
+    case 4: return block_weighted<4, S>(p, M, D, v, h, blk, a, gs, ld, col0, acc, acc_ld);
+    case 5: return block_weighted<5, S>(p, M, D, v, h, blk, a, gs, ld, col0, acc, acc_ld);
+    case 6: return block_weighted<6, S>(p, M, D, v, h, blk, a, gs, ld, col0, acc, acc_ld);
+    case 8: return block_weighted<8, S>(p, M, D, v, h, blk, a, gs, ld, col0, acc, acc_ld);
+    default: throw std::invalid_argument("kvq native: unsupported bits");
+  }
+}
+
+// inputs: q, qb (B, H, M, Dk) float32; kw, ks, kb; vw, vs, vb; tables (B, T),
+// nblocks (B), ends (B) int32; sinks (H * M / L) float32; then per row its
+// exact sink keys, sink values, tail keys and tail values (1, H, n, D) of S.
+template <typename S>
+void run_split(const SplitParams& pp, const std::vector<mx::array>& in, mx::array& out) {
+  const mx::array& q = in[0];
+  const float* qa = q.data<float>();
+  const float* qba = in[1].data<float>();
+  Pool kp{}, vp = pool_of(in[5], in[6], in[7]);
+  ChannelPool kc{};
+  if (pp.channel) {
+    kc = {reinterpret_cast<const uint8_t*>(in[2].data<void>()), in[3].data<void>(),
+          in[4].data<void>(), int64_t(in[2].shape(3)) * int64_t(in[2].itemsize()),
+          int64_t(in[3].shape(3)), int(in[2].shape(1)), int(in[2].shape(2))};
+  } else {
+    kp = pool_of(in[2], in[3], in[4]);
+  }
+  const int32_t* tb = in[8].data<int32_t>();
+  const int32_t* nblocks = in[9].data<int32_t>();
+  const int32_t* ends = in[10].data<int32_t>();
+  const float* asinks = in[11].data<float>();
+  int B = q.shape(0), H = q.shape(1), M = q.shape(2), Dk = q.shape(3);
+  int T = in[8].shape(1);
+  int Dv = vp.w_row * 8 / pp.vbits;
+  int Do = out.shape(3);  // Dv, or 2 * Dv with the body's share apart
+  int bs = pp.block, L = pp.L;
+  auto rows = [&](int i, int b, int h) -> Exact<S> {
+    const mx::array& k = in[12 + 4 * b + i];
+    const mx::array& v = in[12 + 4 * b + i + 1];
+    int n = k.shape(2);
+    if (n == 0) return {nullptr, nullptr, 0};
+    return {k.data<S>() + size_t(h) * n * Dk, v.data<S>() + size_t(h) * n * Dv, n};
+  };
+  int longest = 0;
+  for (int b = 0; b < B; ++b) longest = std::max(longest, int(ends[b]));
+  int chunks = std::max(1, std::min(max_threads(), longest / 1024));
+  int tasks = B * H * chunks;
+  std::vector<float> pmax(size_t(tasks) * M), psum(size_t(tasks) * M);
+  std::vector<float> pacc(size_t(tasks) * M * Do);
+  int64_t work = 0;
+  for (int b = 0; b < B; ++b) work += int64_t(ends[b]) * H * M * (Dk + Dv);
+  parallel_for(tasks, work, [&](int t) {
+    int c = t % chunks, bh = t / chunks, h = bh % H, b = bh / H;
+    int nb = nblocks[b], j0 = int(int64_t(nb) * c / chunks), j1 = int(int64_t(nb) * (c + 1) / chunks);
+    bool last = c == chunks - 1;
+    int P0 = j0 * bs, P1 = last ? ends[b] : j1 * bs, n = P1 - P0;
+    float* mx_ = pmax.data() + size_t(t) * M;
+    float* sm = psum.data() + size_t(t) * M;
+    float* acc = pacc.data() + size_t(t) * M * Do;
+    float* body = pp.apart ? acc + Dv : acc;
+    std::fill(acc, acc + size_t(M) * Do, 0.0f);
+    if (n <= 0) {
+      std::fill(mx_, mx_ + M, -INFINITY);
+      std::fill(sm, sm + M, 0.0f);
+      return;
+    }
+    const float* qr = qa + (size_t(b) * H + h) * M * Dk;
+    const float* qbr = qba + (size_t(b) * H + h) * M * Dk;
+    const int32_t* table = tb + size_t(b) * T;
+    Exact<S> sink = rows(0, b, h), tail = rows(2, b, h);
+    int sn = nb > 0 ? sink.n : 0;  // before a first block, the sinks are in the tail
+    std::vector<float> s(size_t(M) * n);
+    for (int j = j0; j < j1; ++j) {
+      key_block<S>(pp, qbr, M, Dk, kp, kc, h, table[j], s.data(), n, (j - j0) * bs);
+    }
+    if (j0 == 0 && sn) exact_scores<S>(qr, M, Dk, sink.k, 0, sn, s.data(), n, 0);
+    int tl = nb * bs;
+    if (last && tail.n) exact_scores<S>(qr, M, Dk, tail.k, 0, tail.n, s.data(), n, tl - P0);
+    for (int m = 0; m < M; ++m) {
+      int qpos = ends[b] - L + m % L;
+      int e = std::clamp(qpos - P0 + 1, 0, n);
+      float* sr = s.data() + size_t(m) * n;
+      float best = range_max(sr, 0, e);
+      mx_[m] = best;
+      sm[m] = exp_range(sr, sr, n, 0, e, best);
+    }
+    for (int j = j0; j < j1; ++j) {
+      int a = j == 0 ? sn : 0;
+      value_block<S>(pp.vbits, s.data(), M, Dv, vp, h, table[j], a, pp.vgs, n, (j - j0) * bs,
+                     body, Do);
+    }
+    if (j0 == 0 && sn) exact_weighted<S>(s.data(), M, Dv, sink.v, 0, sn, n, 0, acc, Do);
+    if (last && tail.n) exact_weighted<S>(s.data(), M, Dv, tail.v, 0, tail.n, n, tl - P0, acc, Do);
+  });
+  float* ob = out.data<float>();
+  for (int bh = 0; bh < B * H; ++bh) {
+    int h = bh % H;
+    for (int m = 0; m < M; ++m) {
+      float best = -INFINITY;
+      for (int c = 0; c < chunks; ++c) best = std::max(best, pmax[(size_t(bh) * chunks + c) * M + m]);
+      float sink = pp.sinks ? asinks[h * (M / L) + m / L] : -INFINITY;
+      float top = std::max(best, sink);
+      float total = pp.sinks ? exp1(sink - top) : 0.0f;
+      float* o = ob + (size_t(bh) * M + m) * Do;
+      std::fill(o, o + Do, 0.0f);
+      for (int c = 0; c < chunks; ++c) {
+        size_t t = size_t(bh) * chunks + c;
+        float mc = pmax[t * M + m];
+        if (mc == -INFINITY) continue;
+        float w = exp1(mc - top);
+        total += w * psum[t * M + m];
+        const float* a = pacc.data() + (t * M + m) * Do;
+        for (int d = 0; d < Do; ++d) o[d] += w * a[d];
+      }
+      float inv = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int d = 0; d < Do; ++d) o[d] *= inv;
+    }
+  }
+}
+
+template <typename S>
+struct RunSplit {
+  static void run(const SplitParams& p, const std::vector<mx::array>& in, mx::array& out) {
+    run_split<S>(p, in, out);
+  }
+};
+
+void run_split_any(const SplitParams& p, const std::vector<mx::array>& in, mx::array& out) {
+  by_scale_dtype<RunSplit>(in[3].dtype(), p, in, out);
+}
+
+mx::array paged_split_attention(const mx::array& q, const mx::array& qb, const mx::array& kw,
+                                const mx::array& ks, const mx::array& kb, const mx::array& vw,
+                                const mx::array& vs, const mx::array& vb, const mx::array& tables,
+                                const mx::array& nblocks, const mx::array& ends,
+                                const mx::array& sinks, const std::vector<mx::array>& exact,
+                                int L, int block, int kbits, int kgs, int vbits, int vgs,
+                                bool channel, bool has_sinks, bool apart) {
+  auto s = mx::default_stream(mx::Device::cpu);
+  int B = q.ndim() == 4 ? q.shape(0) : 0;
+  if (q.ndim() != 4 || qb.shape() != q.shape() || tables.ndim() != 2 ||
+      tables.dtype() != mx::int32 || nblocks.dtype() != mx::int32 || ends.dtype() != mx::int32 ||
+      int(exact.size()) != 4 * B || q.shape(2) % L) {
+    throw std::invalid_argument(
+        "kvq native: q, qb (B,H,M,D), int32 tables (B,T), nblocks and ends (B), 4 exact parts per row");
+  }
+  auto sd = ks.dtype();
+  if (vs.dtype() != sd || kb.dtype() != sd || vb.dtype() != sd) {
+    throw std::invalid_argument("kvq native: key and value scales must share a dtype");
+  }
+  for (int bits : {kbits, vbits}) {
+    if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+      throw std::invalid_argument("kvq native: bits must be 2, 3, 4, 5, 6 or 8");
+    }
+  }
+  int Dk = q.shape(3), Dv = vs.shape(3) * vgs, H = q.shape(1);
+  bool keys_ok = channel ? (kw.ndim() == 4 && kw.shape(1) == H && kw.shape(2) == Dk &&
+                            int64_t(kw.shape(3)) * 32 == int64_t(block) * kbits &&
+                            ks.shape(3) * kgs == block && kgs <= 128 && kgs % 8 == 0)
+                         : (kw.ndim() == 4 && kw.shape(1) == block && kw.shape(2) == H &&
+                            ks.shape(3) * kgs == Dk && kgs % 16 == 0 &&
+                            int64_t(kw.shape(3)) * 32 == int64_t(Dk) * kbits);
+  if (!keys_ok || Dk > 512 || Dv > 512 || Dk % 16 || Dv % 8 || vgs % 16 || vw.shape(1) != block ||
+      int64_t(vw.shape(3)) * 32 != int64_t(Dv) * vbits) {
+    throw std::invalid_argument("kvq native: paged split shapes do not match bits and group sizes");
+  }
+  for (int i = 0; i < 4 * B; ++i) {
+    const auto& a = exact[i];
+    int D = i % 2 ? Dv : Dk;
+    if (a.ndim() != 4 || a.shape(0) != 1 || a.shape(1) != H || a.shape(3) != D ||
+        (a.size() && a.dtype() != sd)) {
+      throw std::invalid_argument("kvq native: exact rows must be (1, H, n, D) in the scales' dtype");
+    }
+  }
+  mx::Shape shape = {q.shape(0), H, q.shape(2), apart ? 2 * Dv : Dv};
+  SplitParams p{L, block, kbits, kgs, vbits, vgs, channel, has_sinks, apart};
+  auto c = [&](const mx::array& a) { return mx::contiguous(a, false, s); };
+  std::vector<mx::array> in = {c(mx::astype(q, mx::float32, s)), c(mx::astype(qb, mx::float32, s)),
+                               c(kw), c(ks), c(kb), c(vw), c(vs), c(vb), c(tables), c(nblocks),
+                               c(ends), c(mx::astype(sinks, mx::float32, s))};
+  for (const auto& a : exact) in.push_back(c(a));
+  auto kernel =
+      std::make_shared<CpuKernel<SplitParams>>(s, p, run_split_any, "KvqPagedSplitAttention");
+  return mx::array(shape, mx::float32, kernel, std::move(in));
+}
+
 // -- causal softmax ----------------------------------------------------------
 //
 // Softmax of attention scores under a causal (optionally windowed) mask given
@@ -967,6 +1310,12 @@ NB_MODULE(_native, m) {
         "kgs"_a, "vbits"_a, "vgs"_a, "has_sinks"_a,
         "float32 attention of q (B, H, M, Dk) over block pools read through block tables "
         "(bits 0: raw pools, passed as kw/ks/kb and vw/vs/vb alike)");
+  m.def("paged_split_attention", &paged_split_attention, "q"_a, "qb"_a, "kw"_a, "ks"_a, "kb"_a,
+        "vw"_a, "vs"_a, "vb"_a, "tables"_a, "nblocks"_a, "ends"_a, "sinks"_a, "exact"_a, "L"_a,
+        "block"_a, "kbits"_a, "kgs"_a, "vbits"_a, "vgs"_a, "channel"_a, "has_sinks"_a, "apart"_a,
+        "float32 attention of q (B, H, M, Dk) over split-layout rows: block pools read through "
+        "block tables (keys per channel or per token, in the body's basis: qb), and each row's "
+        "exact sinks and tail (exact: sink keys, sink values, tail keys, tail values per row)");
   m.def("causal_softmax", &causal_softmax, "scores"_a, "shift"_a, "sinks"_a, "rows"_a,
         "window"_a, "n_rep"_a, "has_sinks"_a,
         "float32 softmax of scores (B, H, n_rep * rows, S) under a causal mask by positions: "

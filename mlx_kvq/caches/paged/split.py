@@ -24,20 +24,24 @@ are quantized as copies of the first token after them and never read),
 and which tokens are exact shifts by up to a group. A block size of
 several groups keeps up to a block more tokens exact.
 
-Attention receives `SplitRows`: per row a head (the sinks, and the rest of
-the first key group dequantized), the gathered blocks after it (a copy of
-the row's packed blocks, not dequantized) and the tail, one run of
-positions (no mask for a decode step).
+Attention receives `PagedSplitKV`: the pool, the tables, and each row's
+exact sinks and tail, which the native CPU kernel reads in place (decode).
+Other paths lay each row out (`SplitRows`): a head (the sinks, and the rest
+of the first key group dequantized), the gathered blocks after it (a copy
+of the row's packed blocks, not dequantized) and the tail, one run of
+positions.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import ClassVar
 
 import mlx.core as mx
+import numpy as np
 
 from ...config import QuantSpec
-from ...quant import SplitKV, SplitRows, scale_dtype
+from ...quant import PagedSplitKV, QuantizedKV, SplitKV, SplitRows, scale_dtype
 from .base import KVQPagedSequence, PagedBatch
 from .blocks import BlockTable
 from .pool import BlockPool
@@ -257,7 +261,37 @@ class KVQPagedSplitCache(PagedBatch):
         self.tails = flush(self.pool, rows)
         ends = self._lengths()
         self.offset = mx.array(ends, dtype=mx.int32)
-        return self._view(ends)
+        return self._paged_view(ends)
+
+    def _paged_view(self, ends: list[int]) -> tuple[PagedSplitKV, PagedSplitKV]:
+        """The rows as they are held (`PagedSplitKV`): the pool, the tables,
+        each row's exact sinks and tail; laid out per row only if asked."""
+        st = self.pool.storage
+        if st.keys is None:  # no block yet: every row is its tail
+            return self._view(ends)
+        blocks = tuple(len(t.ids) for t in self.tables)
+        tables = np.zeros((len(blocks), max((1, *blocks))), dtype=np.int32)
+        for i, t in enumerate(self.tables):
+            tables[i, : len(t.ids)] = t.ids
+        tables.flags.writeable = False
+        sinks = [st.sinks.get(t.ids[0]) if t.ids else None for t in self.tables]
+        per_row = cache(lambda: self._view(ends))
+        ends = tuple(ends)
+
+        def view(side: int, pool) -> PagedSplitKV:
+            if pool.quantized:
+                spec = pool.spec
+                parts = QuantizedKV(*pool.parts, spec.bits, spec.group_size,
+                                    spec.rotation == "hadamard", spec.per_channel)  # fmt: skip
+            else:
+                parts = pool.parts[0]
+            return PagedSplitKV(
+                parts, self.pool.block_size, tables, blocks, ends,
+                tuple(None if s is None else s[side] for s in sinks),
+                tuple(x[side] for x in self.tails), lambda: per_row()[side],
+            )  # fmt: skip
+
+        return view(0, st.keys), view(1, st.values)
 
     def _view(self, ends: list[int]) -> tuple[SplitRows, SplitRows]:
         ks, vs, heads = [], [], []
