@@ -43,6 +43,8 @@ using namespace nb::literals;
 namespace {
 
 typedef float f8 __attribute__((vector_size(32)));
+typedef _Float16 h8 __attribute__((vector_size(16)));
+typedef uint16_t u16v __attribute__((vector_size(16)));
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KVQ_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -194,6 +196,26 @@ inline void unpack(const uint8_t* src, int n, float* out) {
 template <typename S>
 inline float to_float(S x) {
   return static_cast<float>(x);
+}
+
+// Eight values of S (float32, float16 or bfloat16) as float32 lanes: one
+// vector conversion (F16C in the x86-64-v3 clones), not eight scalar ones.
+template <typename S>
+inline f8 load8_of(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return load8(p);
+  } else if constexpr (std::is_same_v<S, mx::float16_t>) {
+    h8 h;
+    std::memcpy(&h, p, sizeof(h));
+    return __builtin_convertvector(h, f8);
+  } else {  // bfloat16: the high half of a float32
+    u16v h;
+    std::memcpy(&h, p, sizeof(h));
+    u8v w = __builtin_convertvector(h, u8v) << 16;
+    f8 f;
+    std::memcpy(&f, &w, sizeof(f));
+    return f;
+  }
 }
 
 struct Layout {
@@ -639,7 +661,7 @@ inline const float* pool_row(const Pool& p, int64_t r, int D, int gs, float* row
     if constexpr (std::is_same_v<S, float>) {
       return src;
     } else {
-      for (int i = 0; i < D; ++i) row[i] = to_float(src[i]);
+      for (int i = 0; i < D; i += 8) store8(row + i, load8_of(src + i));
       return row;
     }
   } else {
@@ -893,26 +915,19 @@ struct Exact {
 
 template <typename S>
 inline float dot_exact(const float* q, const S* row, int D) {
-  float s = 0.0f;
-  if constexpr (std::is_same_v<S, float>) {
-    f8 a = {};
-    for (int i = 0; i < D; i += 8) a += load8(q + i) * load8(row + i);
-    return hsum(a);
-  } else {
-    alignas(32) float buf[512];
-    for (int i = 0; i < D; ++i) buf[i] = to_float(row[i]);
-    f8 a = {};
-    for (int i = 0; i < D; i += 8) a += load8(q + i) * load8(buf + i);
-    s = hsum(a);
+  f8 a0 = {}, a1 = {};
+  for (int i = 0; i < D; i += 16) {
+    a0 += load8(q + i) * load8_of(row + i);
+    a1 += load8(q + i + 8) * load8_of(row + i + 8);
   }
-  return s;
+  return hsum(a0 + a1);
 }
 
 // Scores of exact rows [t0, t1) of one head against M queries, into columns
 // col0.. of s (M x ld); and their weighted sum into acc (M x D).
 template <typename S>
-void exact_scores(const float* q, int M, int D, const S* rows, int t0, int t1, float* s, int ld,
-                  int col0) {
+KVQ_CLONES void exact_scores(const float* q, int M, int D, const S* rows, int t0, int t1, float* s,
+                             int ld, int col0) {
   for (int t = t0; t < t1; ++t) {
     const S* row = rows + size_t(t) * D;
     for (int m = 0; m < M; ++m) s[size_t(m) * ld + col0 + t - t0] = dot_exact(q + size_t(m) * D, row, D);
@@ -920,18 +935,16 @@ void exact_scores(const float* q, int M, int D, const S* rows, int t0, int t1, f
 }
 
 template <typename S>
-void exact_weighted(const float* p, int M, int D, const S* rows, int t0, int t1, int ld, int col0,
-                    float* acc, int acc_ld) {
-  alignas(32) float buf[512];
+KVQ_CLONES void exact_weighted(const float* p, int M, int D, const S* rows, int t0, int t1, int ld,
+                               int col0, float* acc, int acc_ld) {
   for (int t = t0; t < t1; ++t) {
     const S* row = rows + size_t(t) * D;
-    for (int i = 0; i < D; ++i) buf[i] = to_float(row[i]);
     for (int m = 0; m < M; ++m) {
       float pm0 = p[size_t(m) * ld + col0 + t - t0];
       if (pm0 == 0.0f) continue;
       f8 pm = (f8){} + pm0;
       float* o = acc + size_t(m) * acc_ld;
-      for (int i = 0; i < D; i += 8) store8(o + i, load8(o + i) + pm * load8(buf + i));
+      for (int i = 0; i < D; i += 8) store8(o + i, load8(o + i) + pm * load8_of(row + i));
     }
   }
 }
