@@ -107,6 +107,34 @@ def test_price_per_slot_is_what_caches_hold(loaded, name):
             assert cost.slot_bytes(slot, held) >= r["nbytes"]
 
 
+SPLIT_SETTINGS = {
+    "split, keys per channel": KVConfig(
+        bits=4, value_bits=3, key_scales="channel", key_group_size=32, sinks=4, residual=8
+    ),
+    "split, keys per token": KVConfig(bits=4, sinks=2, residual=5),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_SETTINGS))
+def test_the_split_layouts_padded_rows_are_within_their_price(loaded, name):
+    """A split-layout row holds 16-bit sinks and an exact tail beside its
+    quantized body, and a window drops its body a whole group at a time:
+    what one row holds, fed a token at a time past the window and past
+    several groups, never exceeds what the cost model charges for it."""
+    model, _ = loaded
+    plan = plan_kv(model, SPLIT_SETTINGS[name], batch=True)
+    cost = share_for(plan, 1, prefill_step=16, prompt_rows=1).cost
+    caches = plan.make_cache()
+    model(mx.array([list(range(1, 17))]), cache=caches)
+    most = 0
+    for n in range(17, 140):
+        model(mx.array([[n % 100 + 1]]), cache=caches)
+        held = sum(c.nbytes for c in caches)
+        most = max(most, held)
+        assert held <= cost.bound([Shape(n, n)], prompting=[]), (name, n)
+    assert most > 0
+
+
 def test_prices_follow_the_setting(loaded):
     model, _ = loaded
     per = {
@@ -221,13 +249,17 @@ def _engine(model, tokenizer, kv, budget, **options) -> Engine:
 
 
 @pytest.mark.parametrize(
-    ("name", "budget"), [("default", 700_000), ("4-bit from token 40", 2_500_000)]
-)
+    ("name", "budget"),
+    [("default", 700_000), ("4-bit from token 40", 2_500_000),
+     ("split, keys per channel", 900_000), ("split, keys per token", 1_200_000)],
+)  # fmt: skip
 def test_engine_never_holds_more_than_the_budget_or_the_bound(loaded, name, budget, monkeypatch):
-    """Mixed lengths, 16-token prefill chunks, prompt-cache hits and cancels."""
+    """Mixed lengths, 16-token prefill chunks, prompt-cache hits and cancels
+    (the split settings: full-attention layers paged, windows in padded rows)."""
     model, tokenizer = loaded
     measured = spy_checks(monkeypatch)
-    engine = _engine(model, tokenizer, SETTINGS[name], budget, prefill_step_size=16,
+    kv = {**SETTINGS, **SPLIT_SETTINGS}[name]
+    engine = _engine(model, tokenizer, kv, budget, prefill_step_size=16,
                      prompt_concurrency=3, prompt_cache_size=16)  # fmt: skip
     try:
         rng = random.Random(1)

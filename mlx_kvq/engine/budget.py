@@ -89,6 +89,9 @@ class SlotCost:
     # paged split layout: bytes a row holds exact beside its blocks at most
     # (its tail and its sinks, `exact_tokens_held`), priced as that many more blocks
     exact_blocks: int = 0
+    # padded split layout: bytes a row holds at most beyond `stored` per token
+    # (`split_extra`)
+    extra: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,12 +126,15 @@ class CostModel:
             keep = quantized and not p.skipped
             stored = _per_token(p, p.key_spec, p.value_spec) if keep else raw
             key = (p.slot, p.member)
-            exact = 0
-            if key in paged and keep and is_split(p.key_spec, p.value_spec):
-                tokens = exact_tokens_held(block_size, p.key_spec, p.value_spec)
+            exact = extra = 0
+            if keep and is_split(p.key_spec, p.value_spec):
                 per_token = p.kv_heads * (p.key_dim + p.value_dim) * 2  # held in 16 bits
-                exact = -(-tokens * per_token // (stored * block_size))
-            slots.append(SlotCost(p.window, stored, raw, key in paged, key, exact))
+                if key in paged:
+                    tokens = exact_tokens_held(block_size, p.key_spec, p.value_spec)
+                    exact = -(-tokens * per_token // (stored * block_size))
+                else:
+                    extra = split_extra(p, stored, per_token)
+            slots.append(SlotCost(p.window, stored, raw, key in paged, key, exact, extra))
         state = sum(p.state_bytes for p in plan.layers if p.kind == "state")
         return cls(
             tuple(slots), state, plan.config.quantized_start if quantized else 0,
@@ -175,8 +181,9 @@ class CostModel:
 
     # -- one slot ------------------------------------------------------------
     def slot_bytes(self, s: SlotCost, n: int) -> int:
-        """Bytes of `n` buffer slots, raw before quantized_kv_start, stored after."""
-        b = s.stored * n
+        """Bytes of `n` buffer slots, raw before quantized_kv_start, stored after
+        (and what a split-layout row holds beside them)."""
+        b = s.stored * n + s.extra
         if self.quantized_start and s.raw > s.stored:
             b = max(b, s.raw * min(n, self.quantized_start + self.prefill_step + GROWTH))
         return b
@@ -282,6 +289,22 @@ class CostModel:
             SlotCost(**{**s, "key": tuple(s.get("key", (0, None)))}) for s in d["slots"]
         )
         return cls(**d)
+
+
+def split_extra(p: LayerPlan, stored: int, exact: int) -> int:
+    """What a split-layout row in padded rows holds at most beyond `stored`
+    bytes per token (`mlx_kvq/split.py`), `exact` being a token's bytes in 16
+    bits: its exact tokens (the sinks, and a tail of fewer than `residual` +
+    a flush unit) at 16 bits instead of stored; in a window, the sinks besides
+    its tokens, and up to a unit less one of body before the window (the body
+    drops whole units)."""
+    k, v = p.key_spec, p.value_spec
+    unit = max(k.flush_unit, v.flush_unit)
+    sinks = max(k.sinks, v.sinks)
+    tail = max(k.residual, v.residual) + unit - 1
+    if p.window is None:
+        return (sinks + tail) * max(0, exact - stored)
+    return sinks * exact + tail * max(0, exact - stored) + (unit - 1) * stored
 
 
 def _per_token(p: LayerPlan, k: QuantSpec, v: QuantSpec) -> int:
