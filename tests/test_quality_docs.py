@@ -13,8 +13,9 @@ running each command on a slice (the first window of each text) reproduces
 the recorded per-window KL and top-1 figures within the standard error the
 doc states beside them (top-1 also within two positions of the window: the
 BLAS's thread count changes the order of sums, which flips near-ties; the
-perplexity change, secondary and sensitive to
-float summation order, within its spread across windows).
+KL's 99th percentile, one order statistic of a window, and the perplexity
+change, secondary and sensitive to float summation order, within their
+spread across windows).
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ def test_the_command_reproduces_the_recorded_figures_on_a_slice(raw, which):
             tolerance = want[spread]
             if key == "top1":  # the BLAS's thread count reorders sums: a near-tie may flip
                 tolerance = max(tolerance, TIES * want["windows"] / want["tokens_scored"])
+            if key == "kl_p99":  # one order statistic of a window: the BLAS's kernels
+                # (AVX-512 or AVX2 OpenBLAS) move it past its standard error
+                tolerance *= math.sqrt(want["windows"])
             assert abs(g - w) <= tolerance, (name, key, g, w, tolerance)
         # The perplexity change is a difference of two nearly equal sums: float
         # summation order (the BLAS, the native kernels) moves it by a few 1e-4,
