@@ -15,6 +15,7 @@ ROTATIONS = ("none", "hadamard")
 KEY_SCALES = ("token", "channel")  # what gets its own scale: each token's key, or each channel
 SCALE_BYTES = 2  # scales and biases are stored as float16/bfloat16
 PAGED_BLOCK_SIZE = 32  # tokens per block of the paged KV layout (`--kv-block-size`)
+AUTO_BLOCK_SIZE = "auto"  # PAGED_BLOCK_SIZE, or whole key groups of the split layout
 
 
 class UnsupportedKVConfig(ValueError):

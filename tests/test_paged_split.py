@@ -26,7 +26,9 @@ from mlx_kvq.caches import (
     unpage_caches,
 )
 from mlx_kvq.caches.paged import BlockPool, SplitBlockStorage
-from mlx_kvq.config import KVConfig, QuantSpec
+from mlx_kvq.commands import build_parser
+from mlx_kvq.commands.serve import engine_options
+from mlx_kvq.config import AUTO_BLOCK_SIZE, KVConfig, QuantSpec
 from mlx_kvq.engine import Engine, EngineOptions, GenerationRequest, SamplingParams
 from mlx_kvq.engine.runner import choose_layout
 from mlx_kvq.generate import get_plan
@@ -217,6 +219,30 @@ def test_the_layout_pages_split_full_layers_and_says_why_the_others_not(tmp_path
     assert "--kv-block-size 16 is not a multiple of --kv-key-group-size 32: " in layout.description
 
 
+@pytest.mark.parametrize(
+    ("cfg", "block"),
+    [
+        (KVConfig(bits=4, key_scales="channel", key_group_size=128, sinks=4, residual=16), 128),
+        (KVConfig(bits=4, key_scales="channel", key_group_size=64), 64),
+        (_cfg(4), 32),  # key groups of 32: the plain block size is whole groups
+        (KVConfig(bits=4, sinks=4, residual=16), 32),  # per-token keys: no groups to fit
+        (KVConfig(bits=4), 32),
+    ],
+)
+def test_the_default_block_size_is_whole_key_groups(tmp_path, cfg, block):
+    """Without `--kv-block-size` the blocks are PAGED_BLOCK_SIZE tokens, or
+    the least multiple of it that is whole key groups, so the split layout's
+    full-attention layers page instead of keeping padded rows."""
+    path = save_tiny_model(tmp_path / "m", "llama:sliding")
+    model, _ = load(str(path))
+    plan = plan_kv(model, cfg, batch=True)
+    layout = choose_layout(plan, AUTO_BLOCK_SIZE)
+    assert layout.block_size == block
+    full = [p for p in plan.kv_layers if p.window is None]
+    assert full and {(p.slot, p.member) for p in full} <= layout.paged
+    assert f"in blocks of {block} tokens" in layout.description
+
+
 @pytest.fixture(scope="module")
 def engine_model(tmp_path_factory):
     path = save_tiny_model(tmp_path_factory.mktemp("ps") / "m", "llama")
@@ -333,3 +359,10 @@ def test_the_native_kernel_reads_the_blocks_in_place_as_the_rows_laid_out(specs,
     )
     assert got.shape == want.shape == (3, NQ, L, D)
     assert mx.abs(got - want).max().item() < 1e-5
+
+
+@pytest.mark.parametrize(("flags", "want"), [([], AUTO_BLOCK_SIZE), (["--kv-block-size", "0"], None),
+                                             (["--kv-block-size", "64"], 64)])  # fmt: skip
+def test_serve_takes_the_plans_block_size_unless_told(flags, want):
+    args = build_parser().parse_args(["serve", "--model", "demo", *flags])
+    assert engine_options(args, None, None).block_size == want

@@ -557,11 +557,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-block-size",
         type=int,
-        default=PAGED_BLOCK_SIZE,
+        default=None,
         help="tokens per block of the paged KV layout (full-attention and sliding-window "
-        f"layers held in blocks, shared prompt prefixes held once; default {PAGED_BLOCK_SIZE}); "
-        "the split layout's full-attention layers page when a block is whole key groups "
-        "(a multiple of --kv-key-group-size); 0 keeps mlx-lm's left-padded rows",
+        "layers held in blocks, shared prompt prefixes held once; default "
+        f"{PAGED_BLOCK_SIZE}, or the least multiple of it that is whole key groups where the "
+        "split layout's full-attention layers hold keys per channel: 128 with "
+        "--kv-key-group-size 128); those layers page only when a block is whole key groups; "
+        "0 keeps mlx-lm's left-padded rows",
     )
     p.add_argument(
         "--max-queued-requests",

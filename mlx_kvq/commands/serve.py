@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import UnsupportedKVConfig
+from ..config import AUTO_BLOCK_SIZE, UnsupportedKVConfig
 from .flags import (
     API_KEY_ENV,
     add_serve_flags,
@@ -65,7 +65,7 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise ValueError("--max-queued-requests must be at least 1")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be >= 0")
-    if args.kv_block_size < 0:
+    if args.kv_block_size is not None and args.kv_block_size < 0:
         raise ValueError("--kv-block-size must be >= 0 (0: padded rows)")
     check_template_kwargs(args.chat_template_args, "--chat-template-args")
     check_api_key(args.api_key or os.environ.get(API_KEY_ENV) or None)
@@ -152,7 +152,7 @@ def engine_options(
         prompt_cache_bytes=args.prompt_cache_bytes,
         max_context=max_context,
         kv_cache_memory=kv_cache_memory,
-        block_size=args.kv_block_size or None,
+        block_size=AUTO_BLOCK_SIZE if args.kv_block_size is None else args.kv_block_size or None,
         max_queued_requests=args.max_queued_requests,
         warmup_gate=warmup_gate,
         disk=disk,

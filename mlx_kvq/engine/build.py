@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import StopSequences
 
-from mlx_kvq.config import PAGED_BLOCK_SIZE
+from mlx_kvq.config import AUTO_BLOCK_SIZE
 from mlx_kvq.plan import KVPlan
 
 from .admission import Admission
@@ -54,7 +54,8 @@ class EngineOptions:
     prompt_cache_bytes: int | None = None
     max_context: int | None = None
     kv_cache_memory: int | None = None  # KV memory budget in bytes (None: admit by count only)
-    block_size: int | None = PAGED_BLOCK_SIZE  # tokens per block (None: padded rows)
+    # tokens per block (None: padded rows; AUTO_BLOCK_SIZE: the plan's, `paged_block_size`)
+    block_size: int | str | None = AUTO_BLOCK_SIZE
     max_queued_requests: int | None = None  # waiting requests before a 429 (None: no limit)
     warmup_gate: str | None = None  # warm-up waits until this file exists (tests)
     disk: DiskSettings | None = None  # the prompt cache's disk tier (None: memory only)

@@ -35,11 +35,12 @@ from mlx_kvq.caches import (
     cache_report,
     mapped_blocks,
     page_caches,
+    paged_block_size,
     paging_refusal,
     split_unpaged,
     unpage_caches,
 )
-from mlx_kvq.config import PAGED_BLOCK_SIZE
+from mlx_kvq.config import AUTO_BLOCK_SIZE, PAGED_BLOCK_SIZE
 from mlx_kvq.mlx_lm_internals import (
     batch_caches,
     chunk_limit,
@@ -85,11 +86,16 @@ class Layout:
     description: str
 
 
-def choose_layout(plan: Any, block_size: int | None) -> Layout:
+def choose_layout(plan: Any, block_size: int | str | None) -> Layout:
     """The paged layout for every layer of `plan` whose kind pages (declared in
-    the registry), unless `block_size` is None or the model is declared unpaged."""
+    the registry), unless `block_size` is None or the model is declared unpaged.
+    `AUTO_BLOCK_SIZE`: the plan's own block size (`paged_block_size`)."""
     if block_size is None:
         return Layout(None, frozenset(), "padded rows (paging turned off)")
+    if block_size == AUTO_BLOCK_SIZE:
+        block_size = paged_block_size(
+            (p.kind, p.window, p.key_spec, p.value_spec) for p in plan.kv_layers
+        )
     refusal = paging_refusal(plan.model_type)
     if refusal:
         return Layout(None, frozenset(), f"padded rows: {plan.model_type} {refusal}")

@@ -8,9 +8,12 @@ their own layout for code that runs one sequence outside the batch.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 from mlx_lm.models import cache as mlx_cache
 
-from ...config import is_split
+from ...config import PAGED_BLOCK_SIZE, QuantSpec, is_split
 from ..base import PACKED
 from ..full import KVQFullCache
 from ..registry import leaves, lookup
@@ -109,6 +112,19 @@ def cached_only_bytes(caches: list) -> int:
         pool, held = blocks.get(id(leaf.pool), (leaf.pool, set()))
         blocks[id(leaf.pool)] = (pool, held | ids)
     return sum(len(ids) * pool.block_bytes for pool, ids in blocks.values())
+
+
+def paged_block_size(layers: Iterable[tuple[str, int | None, QuantSpec, QuantSpec]]) -> int:
+    """The block size the paged layout takes by default for layers given as
+    (kind, window, key spec, value spec): PAGED_BLOCK_SIZE tokens, or the
+    least multiple of it that is whole key groups of every split-layout
+    full-attention layer with keys per channel (such a block is quantized
+    once, in whole groups: `split_refusal`)."""
+    size = PAGED_BLOCK_SIZE
+    for kind, window, k, v in layers:
+        if kind == "full" and window is None and is_split(k, v) and k.per_channel:
+            size = math.lcm(size, k.group_size)
+    return size
 
 
 def split_unpaged(kind: str, window, key_spec, value_spec, block_size: int) -> str | None:
