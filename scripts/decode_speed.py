@@ -26,8 +26,9 @@ from paged_speed import decode_rate, prefilled
 
 from mlx_kvq.blas import blas_info, use_fast_blas
 from mlx_kvq.caches import Pages, page_caches
-from mlx_kvq.config import KVConfig
-from mlx_kvq.defaults import DEFAULT_FULL_KV_CONFIG
+from mlx_kvq.config import AUTO_BLOCK_SIZE, KVConfig
+from mlx_kvq.defaults import DEFAULT_FULL_KV_CONFIG, DEFAULT_KV_CONFIG
+from mlx_kvq.engine.runner import choose_layout
 from mlx_kvq.kernels import native_status
 from mlx_kvq.plan import plan_kv
 
@@ -38,14 +39,24 @@ SPLIT = KVConfig(
     bits=5, value_bits=4, group_size=64, rotation="hadamard", key_scales="channel",
     key_group_size=128, sinks=4, residual=128,
 )  # fmt: skip
-ARMS: dict[str, tuple[KVConfig, int] | None] = {  # name -> (setting, block size; 0: padded)
+# The split layout the rule picks on Gemma 3 (docs/quality.md): keys 6 bits
+# per channel, values 5 bits, no rotation, 4 sinks, the last 64 tokens exact.
+HYBRID_SPLIT = KVConfig(
+    bits=6, value_bits=5, group_size=64, key_scales="channel", key_group_size=128, sinks=4,
+    residual=64,
+)  # fmt: skip
+# name -> (setting, block size; 0: padded, AUTO_BLOCK_SIZE: the server's default)
+ARMS: dict[str, tuple[KVConfig, int | str] | None] = {
     "mlx-lm": None,
     "raw paged": (KVConfig(bits=0), 32),
-    "default paged": (DEFAULT_FULL_KV_CONFIG, 32),
+    "default paged": (DEFAULT_FULL_KV_CONFIG, AUTO_BLOCK_SIZE),
     "default padded": (DEFAULT_FULL_KV_CONFIG, 0),
     "4-bit paged": (KVConfig(bits=4), 32),
     "split padded": (SPLIT, 0),
     "split paged": (SPLIT, 128),
+    "hybrid default paged": (DEFAULT_KV_CONFIG, AUTO_BLOCK_SIZE),
+    "hybrid split padded": (HYBRID_SPLIT, 0),
+    "hybrid split paged": (HYBRID_SPLIT, 128),
 }
 
 
@@ -80,6 +91,8 @@ def main() -> None:
             cfg, block_size = arm
             plan = plan_kv(model, cfg, batch=True)
             make = plan.make_cache
+            if block_size == AUTO_BLOCK_SIZE:
+                block_size = choose_layout(plan, AUTO_BLOCK_SIZE).block_size
             if block_size:
                 pages = Pages(block_size)
                 make = lambda plan=plan, pages=pages: page_caches(plan.make_cache(), pages)  # noqa: E731

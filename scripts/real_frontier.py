@@ -1,6 +1,12 @@
 """The real-model frontier table of docs/quality.md, from `mlx-kvq eval --json` outputs.
 
     python scripts/real_frontier.py docs/quality_real/*.json
+    python scripts/real_frontier.py --choose docs/quality_real/smollm2_*.json
+
+`--choose` applies the rule that picks the defaults (`choose_default` in
+quality_tables.py, the goal of 98% / 1.5e-3 here within 4.5 bits at 8,192
+tokens) to the settings measured on both texts, chunked, over two windows or
+more, and prints the setting it picks.
 
 Each file is one eval run (one model, one context, several `--setting`s, the
 GPL-3 and the Python stdlib code text). One row per setting and text: bits
@@ -16,6 +22,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+from quality_tables import choose_default
 
 BUDGET = 4.5
 FIRST = (0.97, 5e-3)
@@ -48,7 +56,38 @@ def rows(report: dict, model: str) -> list[str]:
     return out
 
 
+TEXTS = ("GPL-3", "stdlib-code")
+
+
+def rule_rows(reports: list[dict]) -> list[dict]:
+    """The settings of `reports` measured chunked on both texts over two
+    windows or more, laid out as `choose_default` reads them (one row per
+    setting, its bits at the held context, its result per text)."""
+    out = []
+    for report in reports:
+        for s in report["settings"]:
+            texts = {
+                Path(t["text"]).name: t
+                for t in s["texts"]
+                if t["windows"] >= 2 and not t.get("decode")
+            }
+            if set(texts) != set(TEXTS):
+                continue
+            out.append({"label": s["setting"], "bits": s["bits_per_element"],
+                        "texts": texts, "kv_config": s["kv_config"]})  # fmt: skip
+    return out
+
+
+def choose(reports: list[dict]) -> dict:
+    """The row the rule picks from the measured settings of one model."""
+    return choose_default(rule_rows(reports))
+
+
 def main(paths: list[str]) -> int:
+    if paths[:1] == ["--choose"]:
+        row = choose([json.loads(Path(p).read_text()) for p in paths[1:]])
+        print(f"`{row['label']}`, {row['bits']:.2f} bits per element: {row['kv_config']}")
+        return 0
     print(
         "| model | text | windows x tokens | setting | bits/elem at 8k | top-1 % | mean KL | meets |"
     )
