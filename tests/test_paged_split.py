@@ -361,6 +361,28 @@ def test_the_native_kernel_reads_the_blocks_in_place_as_the_rows_laid_out(specs,
     assert mx.abs(got - want).max().item() < 1e-5
 
 
+def test_the_native_kernel_reads_bfloat16_rows():
+    """A bfloat16 model's exact sinks and tails and scales are bfloat16: the
+    kernel converts them as bfloat16 (the high half of a float32)."""
+    if not attention._native():
+        pytest.skip("native kernels not built")
+    pool = BlockPool(32, *SPLIT_CASES[0])
+    rng = np.random.default_rng(7)
+    batch = KVQPagedSplitSequence.merge([KVQPagedSplitSequence(pool) for _ in range(2)])
+
+    def arr(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+
+    batch.update_and_fetch(arr(2, 2, 100, 64), arr(2, 2, 100, 64))
+    kk, vv = batch.update_and_fetch(arr(2, 2, 1, 64), arr(2, 2, 1, 64))
+    assert kk.tails[0].dtype == kk.sinks[0].dtype == kk.pool.scales.dtype == mx.bfloat16
+    q = arr(2, 6, 1, 64)
+    got = attention.paged_split_attention(q, kk, vv, 0.125, None, None).astype(mx.float32)
+    want = attention.split_rows_attention(q, kk.rows(), vv.rows(), 0.125).astype(mx.float32)
+    assert got.dtype == mx.float32 and mx.abs(got - want).max().item() < 2e-2
+    assert mx.abs(want).max().item() > 0.1
+
+
 @pytest.mark.parametrize(("flags", "want"), [([], AUTO_BLOCK_SIZE), (["--kv-block-size", "0"], None),
                                              (["--kv-block-size", "64"], 64)])  # fmt: skip
 def test_serve_takes_the_plans_block_size_unless_told(flags, want):
