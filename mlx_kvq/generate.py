@@ -71,6 +71,10 @@ def make_prompt_cache(
     allow_partial_kv: bool = False,
     kv_skip_layers: tuple[int, ...] | None = None,
     kv_window_bits: int | None = None,
+    kv_key_scales: str | None = None,
+    kv_key_group_size: int | None = None,
+    kv_residual: int | None = None,
+    kv_sinks: int | None = None,
 ) -> list[Any]:
     """One cache per cache slot of the model (same length and order as
     mlx-lm's), every KV layer quantized as planned.
@@ -82,6 +86,7 @@ def make_prompt_cache(
     cfg = KVConfig.from_args(
         kv_bits, kv_group_size, kv_key_bits, kv_value_bits, kv_rotation,
         quantized_kv_start, max_kv_size, allow_partial_kv, kv_skip_layers, kv_window_bits,
+        kv_key_scales, kv_key_group_size, kv_residual, kv_sinks,
     )  # fmt: skip
     if not cfg.enabled:
         return mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
@@ -137,12 +142,19 @@ def generate_step(
     kv_key_bits: int | None = None,
     kv_value_bits: int | None = None,
     kv_rotation: str = "none",
+    allow_partial_kv: bool = False,
+    kv_skip_layers: tuple[int, ...] | None = None,
     kv_window_bits: int | None = None,
+    kv_key_scales: str | None = None,
+    kv_key_group_size: int | None = None,
+    kv_residual: int | None = None,
+    kv_sinks: int | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """mlx-lm's `generate_step`, with every KV layer quantized."""
     cfg = KVConfig.from_args(
         kv_bits, kv_group_size, kv_key_bits, kv_value_bits, kv_rotation,
-        quantized_kv_start, max_kv_size, kv_window_bits=kv_window_bits,
+        quantized_kv_start, max_kv_size, allow_partial_kv, kv_skip_layers, kv_window_bits,
+        kv_key_scales, kv_key_group_size, kv_residual, kv_sinks,
     )  # fmt: skip
     prompt_cache = prepare_cache(model, prompt_cache, cfg)
     yield from mlx_generate.generate_step(

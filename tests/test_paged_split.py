@@ -3,6 +3,8 @@ prefix, each row's exact tail and sinks beside them (caches/paged/split.py)."""
 
 from __future__ import annotations
 
+import inspect
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
 from mlx_lm.models import llama
 
+import mlx_kvq
 from mlx_kvq import attention
 from mlx_kvq import evaluate as ev
 from mlx_kvq.attention import count_attention
@@ -31,7 +34,7 @@ from mlx_kvq.commands.serve import engine_options
 from mlx_kvq.config import AUTO_BLOCK_SIZE, KVConfig, QuantSpec
 from mlx_kvq.engine import Engine, EngineOptions, GenerationRequest, SamplingParams
 from mlx_kvq.engine.runner import choose_layout
-from mlx_kvq.generate import get_plan
+from mlx_kvq.generate import KV_KEYS, get_plan
 from mlx_kvq.plan import plan_kv
 from mlx_kvq.quant import PagedSplitKV
 
@@ -388,3 +391,18 @@ def test_the_native_kernel_reads_bfloat16_rows():
 def test_serve_takes_the_plans_block_size_unless_told(flags, want):
     args = build_parser().parse_args(["serve", "--model", "demo", *flags])
     assert engine_options(args, None, None).block_size == want
+
+
+def test_the_generation_functions_take_every_kv_keyword(tmp_path):
+    """`make_prompt_cache` and `generate_step` take every KV keyword that
+    `generate` and the CLI take (`KVConfig.as_kwargs`), the split layout's
+    included, and honour them."""
+    for fn in (mlx_kvq.make_prompt_cache, mlx_kvq.generate_step):
+        missing = set(KV_KEYS) - set(inspect.signature(fn).parameters)
+        assert not missing, (fn.__name__, missing)
+    model = _tiny()
+    cache = mlx_kvq.make_prompt_cache(model, **_cfg(4).as_kwargs())
+    assert {type(c) for c in cache} == {KVQSplitCache}
+    assert cache[0].store.sinks == 4
+    steps = mlx_kvq.generate_step(TOKENS[0, :40], model, max_tokens=2, **_cfg(4).as_kwargs())
+    assert len(list(steps)) == 2

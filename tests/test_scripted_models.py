@@ -123,15 +123,9 @@ def prompt_of(tokenizer, case: str) -> list[int]:
 
 
 def default_setting() -> dict:
-    """mlx-kvq's default KV setting as mlx-lm style keyword arguments."""
-    d = DEFAULT_KV_CONFIG
-    return {
-        "kv_bits": d.bits,
-        "kv_key_bits": d.key_bits,
-        "kv_value_bits": d.value_bits,
-        "kv_group_size": d.group_size,
-        "kv_rotation": d.rotation,
-    }
+    """mlx-kvq's default KV setting as mlx-lm style keyword arguments (all of
+    it: widths, rotation, windows and the split layout's fields)."""
+    return DEFAULT_KV_CONFIG.as_kwargs()
 
 
 SETTINGS = {
