@@ -913,38 +913,50 @@ struct Exact {
   int n;
 };
 
+// Row `row` (D values of S) as float32 into `buf`, or in place for float32.
 template <typename S>
-inline float dot_exact(const float* q, const S* row, int D) {
-  f8 a0 = {}, a1 = {};
-  for (int i = 0; i < D; i += 16) {
-    a0 += load8(q + i) * load8_of(row + i);
-    a1 += load8(q + i + 8) * load8_of(row + i + 8);
+inline const float* exact_row(const S* row, int D, float* buf) {
+  if constexpr (std::is_same_v<S, float>) {
+    return row;
+  } else {
+    for (int i = 0; i < D; i += 8) store8(buf + i, load8_of(row + i));
+    return buf;
   }
-  return hsum(a0 + a1);
 }
 
 // Scores of exact rows [t0, t1) of one head against M queries, into columns
-// col0.. of s (M x ld); and their weighted sum into acc (M x D).
+// col0.. of s (M x ld); and their weighted sum into acc (M x D). Each row is
+// converted once for all M queries.
 template <typename S>
 KVQ_CLONES void exact_scores(const float* q, int M, int D, const S* rows, int t0, int t1, float* s,
                              int ld, int col0) {
+  alignas(32) float buf[512];
   for (int t = t0; t < t1; ++t) {
-    const S* row = rows + size_t(t) * D;
-    for (int m = 0; m < M; ++m) s[size_t(m) * ld + col0 + t - t0] = dot_exact(q + size_t(m) * D, row, D);
+    const float* r = exact_row(rows + size_t(t) * D, D, buf);
+    for (int m = 0; m < M; ++m) {
+      const float* qm = q + size_t(m) * D;
+      f8 a0 = {}, a1 = {};
+      for (int i = 0; i < D; i += 16) {
+        a0 += load8(qm + i) * load8(r + i);
+        a1 += load8(qm + i + 8) * load8(r + i + 8);
+      }
+      s[size_t(m) * ld + col0 + t - t0] = hsum(a0 + a1);
+    }
   }
 }
 
 template <typename S>
 KVQ_CLONES void exact_weighted(const float* p, int M, int D, const S* rows, int t0, int t1, int ld,
                                int col0, float* acc, int acc_ld) {
+  alignas(32) float buf[512];
   for (int t = t0; t < t1; ++t) {
-    const S* row = rows + size_t(t) * D;
+    const float* r = exact_row(rows + size_t(t) * D, D, buf);
     for (int m = 0; m < M; ++m) {
       float pm0 = p[size_t(m) * ld + col0 + t - t0];
       if (pm0 == 0.0f) continue;
       f8 pm = (f8){} + pm0;
       float* o = acc + size_t(m) * acc_ld;
-      for (int i = 0; i < D; i += 8) store8(o + i, load8(o + i) + pm * load8_of(row + i));
+      for (int i = 0; i < D; i += 8) store8(o + i, load8(o + i) + pm * load8(r + i));
     }
   }
 }
