@@ -459,28 +459,30 @@ void run(Kind kind, const std::vector<mx::array>& in, mx::array& out, int gs) {
   }
 }
 
+// `f.template operator()<bits>()` for a packed width known at run time (with
+// `raw`, also 0: rows of S read as they are).
+template <bool raw = false, typename F>
+void by_bits(int bits, F&& f) {
+  if constexpr (raw) {
+    if (bits == 0) return f.template operator()<0>();
+  }
+  switch (bits) {
+    case 2: return f.template operator()<2>();
+    case 3: return f.template operator()<3>();
+    case 4: return f.template operator()<4>();
+    case 5: return f.template operator()<5>();
+    case 6: return f.template operator()<6>();
+    case 8: return f.template operator()<8>();
+  }
+  throw std::invalid_argument("kvq native: unsupported bits");
+}
+
 template <typename S>
 void run_bits(Kind kind, int bits, const std::vector<mx::array>& in, mx::array& out, int gs) {
   if (kind == Kind::ChannelScores) {
-    switch (bits) {
-      case 2: return run_channel<2, S>(in, out, gs);
-      case 3: return run_channel<3, S>(in, out, gs);
-      case 4: return run_channel<4, S>(in, out, gs);
-      case 5: return run_channel<5, S>(in, out, gs);
-      case 6: return run_channel<6, S>(in, out, gs);
-      case 8: return run_channel<8, S>(in, out, gs);
-      default: throw std::invalid_argument("kvq native: unsupported bits");
-    }
+    return by_bits(bits, [&]<int b>() { run_channel<b, S>(in, out, gs); });
   }
-  switch (bits) {
-    case 2: return run<2, S>(kind, in, out, gs);
-    case 3: return run<3, S>(kind, in, out, gs);
-    case 4: return run<4, S>(kind, in, out, gs);
-    case 5: return run<5, S>(kind, in, out, gs);
-    case 6: return run<6, S>(kind, in, out, gs);
-    case 8: return run<8, S>(kind, in, out, gs);
-    default: throw std::invalid_argument("kvq native: unsupported bits");
-  }
+  by_bits(bits, [&]<int b>() { run<b, S>(kind, in, out, gs); });
 }
 
 // An MLX primitive that runs `run(params, inputs, out)` on the CPU stream into
@@ -621,6 +623,31 @@ mx::array packed_weighted(const mx::array& p, const mx::array& w, const mx::arra
 }
 
 
+// s[m * ld] = q[m] . row for the M query rows of q (M x D floats).
+inline void dot_rows(const float* q, int M, int D, const float* row, float* s, size_t ld) {
+  for (int m = 0; m < M; ++m) {
+    const float* qm = q + size_t(m) * D;
+    f8 a0 = {}, a1 = {};
+    for (int i = 0; i < D; i += 16) {
+      a0 += load8(qm + i) * load8(row + i);
+      a1 += load8(qm + i + 8) * load8(row + i + 8);
+    }
+    s[size_t(m) * ld] = hsum(a0 + a1);
+  }
+}
+
+// acc[m] += p[m * ld] * row for the M rows of acc (rows acc_ld floats apart).
+inline void axpy_rows(const float* p, size_t ld, int M, int D, const float* row, float* acc,
+                      size_t acc_ld) {
+  for (int m = 0; m < M; ++m) {
+    float pm0 = p[size_t(m) * ld];
+    if (pm0 == 0.0f) continue;
+    f8 pm = (f8){} + pm0;
+    float* o = acc + size_t(m) * acc_ld;
+    for (int i = 0; i < D; i += 8) store8(o + i, load8(o + i) + pm * load8(row + i));
+  }
+}
+
 // ---- paged attention: rows read through block tables ------------------------
 //
 // Keys and values live in pools of blocks, (blocks, block, heads, packed dim);
@@ -680,15 +707,7 @@ KVQ_CLONES void paged_scores(const float* q, int M, int D, const Pool& k, int h,
     int rel = p - base;
     int64_t r = (int64_t(table[rel / k.block]) * k.block + rel % k.block) * k.heads + h;
     const float* row = pool_row<bits, S>(k, r, D, gs, buf);
-    for (int m = 0; m < M; ++m) {
-      const float* qm = q + size_t(m) * D;
-      f8 a0 = {}, a1 = {};
-      for (int i = 0; i < D; i += 16) {
-        a0 += load8(qm + i) * load8(row + i);
-        a1 += load8(qm + i + 8) * load8(row + i + 8);
-      }
-      out[size_t(m) * (p1 - p0) + (p - p0)] = hsum(a0 + a1);
-    }
+    dot_rows(q, M, D, row, out + (p - p0), p1 - p0);
   }
 }
 
@@ -701,45 +720,52 @@ KVQ_CLONES void paged_weighted(const float* pr, int M, int D, const Pool& v, int
     int rel = p - base;
     int64_t r = (int64_t(table[rel / v.block]) * v.block + rel % v.block) * v.heads + h;
     const float* row = pool_row<bits, S>(v, r, D, gs, buf);
-    for (int m = 0; m < M; ++m) {
-      float pm0 = pr[size_t(m) * n + (p - p0)];
-      if (pm0 == 0.0f) continue;
-      f8 pm = (f8){} + pm0;
-      float* o = acc + size_t(m) * D;
-      for (int i = 0; i < D; i += 8) {
-        store8(o + i, load8(o + i) + pm * load8(row + i));
-      }
-    }
+    axpy_rows(pr + (p - p0), n, M, D, row, acc, D);
   }
 }
 
 template <typename S>
 void paged_scores_bits(int bits, const float* q, int M, int D, const Pool& k, int h,
                        const int32_t* t, int base, int p0, int p1, int gs, float* out) {
-  switch (bits) {
-    case 0: return paged_scores<0, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
-    case 2: return paged_scores<2, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
-    case 3: return paged_scores<3, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
-    case 4: return paged_scores<4, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
-    case 5: return paged_scores<5, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
-    case 6: return paged_scores<6, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
-    case 8: return paged_scores<8, S>(q, M, D, k, h, t, base, p0, p1, gs, out);
-    default: throw std::invalid_argument("kvq native: unsupported bits");
-  }
+  by_bits<true>(bits, [&]<int b>() { paged_scores<b, S>(q, M, D, k, h, t, base, p0, p1, gs, out); });
 }
 
 template <typename S>
 void paged_weighted_bits(int bits, const float* p, int M, int D, const Pool& v, int h,
                          const int32_t* t, int base, int p0, int p1, int gs, float* acc) {
-  switch (bits) {
-    case 0: return paged_weighted<0, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
-    case 2: return paged_weighted<2, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
-    case 3: return paged_weighted<3, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
-    case 4: return paged_weighted<4, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
-    case 5: return paged_weighted<5, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
-    case 6: return paged_weighted<6, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
-    case 8: return paged_weighted<8, S>(p, M, D, v, h, t, base, p0, p1, gs, acc);
-    default: throw std::invalid_argument("kvq native: unsupported bits");
+  by_bits<true>(bits, [&]<int b>() { paged_weighted<b, S>(p, M, D, v, h, t, base, p0, p1, gs, acc); });
+}
+
+// The per-task partial results of attention (a running max, a sum of exps
+// and a weighted sum of D values per query row, `chunks` tasks per row and KV
+// head, task t = (row * H + head) * chunks + chunk) combined as in flash
+// attention into out (rows * H, M, D); `sinks`: one logit per query head
+// (H * M / L of them), or null.
+void combine_chunks(int BH, int H, int M, int L, int chunks, int D, const std::vector<float>& pmax,
+                    const std::vector<float>& psum, const std::vector<float>& pacc,
+                    const float* sinks, float* ob) {
+  for (int bh = 0; bh < BH; ++bh) {
+    int h = bh % H;
+    for (int m = 0; m < M; ++m) {
+      float best = -INFINITY;
+      for (int c = 0; c < chunks; ++c) best = std::max(best, pmax[(size_t(bh) * chunks + c) * M + m]);
+      float sink = sinks ? sinks[h * (M / L) + m / L] : -INFINITY;
+      float top = std::max(best, sink);
+      float total = sinks ? exp1(sink - top) : 0.0f;
+      float* o = ob + (size_t(bh) * M + m) * D;
+      std::fill(o, o + D, 0.0f);
+      for (int c = 0; c < chunks; ++c) {
+        size_t t = size_t(bh) * chunks + c;
+        float mc = pmax[t * M + m];
+        if (mc == -INFINITY) continue;
+        float w = exp1(mc - top);
+        total += w * psum[t * M + m];
+        const float* a = pacc.data() + (t * M + m) * D;
+        for (int d = 0; d < D; ++d) o[d] += w * a[d];
+      }
+      float inv = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int d = 0; d < D; ++d) o[d] *= inv;
+    }
   }
 }
 
@@ -810,29 +836,7 @@ void run_paged(const PagedParams& pp, const std::vector<mx::array>& in, mx::arra
     }
     paged_weighted_bits<S>(pp.vbits, s.data(), M, Dv, vp, h, table, bases[b], p0, p1, pp.vgs, acc);
   });
-  for (int bh = 0; bh < B * H; ++bh) {
-    int h = bh % H;
-    for (int m = 0; m < M; ++m) {
-      float best = -INFINITY;
-      for (int c = 0; c < chunks; ++c) best = std::max(best, pmax[(size_t(bh) * chunks + c) * M + m]);
-      float sink = pp.sinks ? sinks[h * (M / L) + m / L] : -INFINITY;
-      float top = std::max(best, sink);
-      float total = pp.sinks ? exp1(sink - top) : 0.0f;
-      float* o = ob + (size_t(bh) * M + m) * Dv;
-      std::fill(o, o + Dv, 0.0f);
-      for (int c = 0; c < chunks; ++c) {
-        size_t t = size_t(bh) * chunks + c;
-        float mc = pmax[t * M + m];
-        if (mc == -INFINITY) continue;
-        float w = exp1(mc - top);
-        total += w * psum[t * M + m];
-        const float* a = pacc.data() + (t * M + m) * Dv;
-        for (int d = 0; d < Dv; ++d) o[d] += w * a[d];
-      }
-      float inv = total > 0.0f ? 1.0f / total : 0.0f;
-      for (int d = 0; d < Dv; ++d) o[d] *= inv;
-    }
-  }
+  combine_chunks(B * H, H, M, L, chunks, Dv, pmax, psum, pacc, pp.sinks ? sinks : nullptr, ob);
 }
 
 template <typename S>
@@ -933,15 +937,7 @@ KVQ_CLONES void exact_scores(const float* q, int M, int D, const S* rows, int t0
   alignas(32) float buf[512];
   for (int t = t0; t < t1; ++t) {
     const float* r = exact_row(rows + size_t(t) * D, D, buf);
-    for (int m = 0; m < M; ++m) {
-      const float* qm = q + size_t(m) * D;
-      f8 a0 = {}, a1 = {};
-      for (int i = 0; i < D; i += 16) {
-        a0 += load8(qm + i) * load8(r + i);
-        a1 += load8(qm + i + 8) * load8(r + i + 8);
-      }
-      s[size_t(m) * ld + col0 + t - t0] = hsum(a0 + a1);
-    }
+    dot_rows(q, M, D, r, s + col0 + t - t0, ld);
   }
 }
 
@@ -951,13 +947,7 @@ KVQ_CLONES void exact_weighted(const float* p, int M, int D, const S* rows, int 
   alignas(32) float buf[512];
   for (int t = t0; t < t1; ++t) {
     const float* r = exact_row(rows + size_t(t) * D, D, buf);
-    for (int m = 0; m < M; ++m) {
-      float pm0 = p[size_t(m) * ld + col0 + t - t0];
-      if (pm0 == 0.0f) continue;
-      f8 pm = (f8){} + pm0;
-      float* o = acc + size_t(m) * acc_ld;
-      for (int i = 0; i < D; i += 8) store8(o + i, load8(o + i) + pm * load8(r + i));
-    }
+    axpy_rows(p + col0 + t - t0, ld, M, D, r, acc, acc_ld);
   }
 }
 
@@ -969,15 +959,7 @@ KVQ_CLONES void block_token_scores(const float* q, int M, int D, const Pool& k, 
   for (int j = a; j < k.block; ++j) {
     int64_t r = (blk * k.block + j) * k.heads + h;
     const float* row = pool_row<bits, S>(k, r, D, gs, buf);
-    for (int m = 0; m < M; ++m) {
-      const float* qm = q + size_t(m) * D;
-      f8 a0 = {}, a1 = {};
-      for (int i = 0; i < D; i += 16) {
-        a0 += load8(qm + i) * load8(row + i);
-        a1 += load8(qm + i + 8) * load8(row + i + 8);
-      }
-      s[size_t(m) * ld + col0 + j] = hsum(a0 + a1);
-    }
+    dot_rows(q, M, D, row, s + col0 + j, ld);
   }
 }
 
@@ -988,13 +970,7 @@ KVQ_CLONES void block_weighted(const float* p, int M, int D, const Pool& v, int 
   for (int j = a; j < v.block; ++j) {
     int64_t r = (blk * v.block + j) * v.heads + h;
     const float* row = pool_row<bits, S>(v, r, D, gs, buf);
-    for (int m = 0; m < M; ++m) {
-      float pm0 = p[size_t(m) * ld + col0 + j];
-      if (pm0 == 0.0f) continue;
-      f8 pm = (f8){} + pm0;
-      float* o = acc + size_t(m) * acc_ld;
-      for (int i = 0; i < D; i += 8) store8(o + i, load8(o + i) + pm * load8(row + i));
-    }
+    axpy_rows(p + col0 + j, ld, M, D, row, acc, acc_ld);
   }
 }
 
@@ -1037,29 +1013,13 @@ void key_block_any(const SplitParams& pp, const float* q, int M, int D, const Po
 template <typename S>
 void key_block(const SplitParams& pp, const float* q, int M, int D, const Pool& kp,
                const ChannelPool& kc, int h, int64_t blk, float* s, int ld, int col0) {
-  switch (pp.kbits) {
-    case 2: return key_block_any<2, S>(pp, q, M, D, kp, kc, h, blk, s, ld, col0);
-    case 3: return key_block_any<3, S>(pp, q, M, D, kp, kc, h, blk, s, ld, col0);
-    case 4: return key_block_any<4, S>(pp, q, M, D, kp, kc, h, blk, s, ld, col0);
-    case 5: return key_block_any<5, S>(pp, q, M, D, kp, kc, h, blk, s, ld, col0);
-    case 6: return key_block_any<6, S>(pp, q, M, D, kp, kc, h, blk, s, ld, col0);
-    case 8: return key_block_any<8, S>(pp, q, M, D, kp, kc, h, blk, s, ld, col0);
-    default: throw std::invalid_argument("kvq native: unsupported bits");
-  }
+  by_bits(pp.kbits, [&]<int b>() { key_block_any<b, S>(pp, q, M, D, kp, kc, h, blk, s, ld, col0); });
 }
 
 template <typename S>
 void value_block(int bits, const float* p, int M, int D, const Pool& v, int h, int64_t blk, int a,
                  int gs, int ld, int col0, float* acc, int acc_ld) {
-  switch (bits) {
-    case 2: return block_weighted<2, S>(p, M, D, v, h, blk, a, gs, ld, col0, acc, acc_ld);
-    case 3: return block_weighted<3, S>(p, M, D, v, h, blk, a, gs, ld, col0, acc, acc_ld);
-    case 4: return block_weighted<4, S>(p, M, D, v, h, blk, a, gs, ld, col0, acc, acc_ld);
-    case 5: return block_weighted<5, S>(p, M, D, v, h, blk, a, gs, ld, col0, acc, acc_ld);
-    case 6: return block_weighted<6, S>(p, M, D, v, h, blk, a, gs, ld, col0, acc, acc_ld);
-    case 8: return block_weighted<8, S>(p, M, D, v, h, blk, a, gs, ld, col0, acc, acc_ld);
-    default: throw std::invalid_argument("kvq native: unsupported bits");
-  }
+  by_bits(bits, [&]<int b>() { block_weighted<b, S>(p, M, D, v, h, blk, a, gs, ld, col0, acc, acc_ld); });
 }
 
 // inputs: q, qb (B, H, M, Dk) float32; kw, ks, kb; vw, vs, vb; tables (B, T),
@@ -1146,30 +1106,8 @@ void run_split(const SplitParams& pp, const std::vector<mx::array>& in, mx::arra
     if (j0 == 0 && sn) exact_weighted<S>(s.data(), M, Dv, sink.v, 0, sn, n, 0, acc, Do);
     if (last && tail.n) exact_weighted<S>(s.data(), M, Dv, tail.v, 0, tail.n, n, tl - P0, acc, Do);
   });
-  float* ob = out.data<float>();
-  for (int bh = 0; bh < B * H; ++bh) {
-    int h = bh % H;
-    for (int m = 0; m < M; ++m) {
-      float best = -INFINITY;
-      for (int c = 0; c < chunks; ++c) best = std::max(best, pmax[(size_t(bh) * chunks + c) * M + m]);
-      float sink = pp.sinks ? asinks[h * (M / L) + m / L] : -INFINITY;
-      float top = std::max(best, sink);
-      float total = pp.sinks ? exp1(sink - top) : 0.0f;
-      float* o = ob + (size_t(bh) * M + m) * Do;
-      std::fill(o, o + Do, 0.0f);
-      for (int c = 0; c < chunks; ++c) {
-        size_t t = size_t(bh) * chunks + c;
-        float mc = pmax[t * M + m];
-        if (mc == -INFINITY) continue;
-        float w = exp1(mc - top);
-        total += w * psum[t * M + m];
-        const float* a = pacc.data() + (t * M + m) * Do;
-        for (int d = 0; d < Do; ++d) o[d] += w * a[d];
-      }
-      float inv = total > 0.0f ? 1.0f / total : 0.0f;
-      for (int d = 0; d < Do; ++d) o[d] *= inv;
-    }
-  }
+  combine_chunks(B * H, H, M, L, chunks, Do, pmax, psum, pacc, pp.sinks ? asinks : nullptr,
+                 out.data<float>());
 }
 
 template <typename S>
