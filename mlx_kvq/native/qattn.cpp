@@ -201,7 +201,7 @@ inline float to_float(S x) {
 // Eight values of S (float32, float16 or bfloat16) as float32 lanes: one
 // vector conversion (F16C in the x86-64-v3 clones), not eight scalar ones.
 template <typename S>
-inline f8 load8_of(const S* p) {
+__attribute__((always_inline)) inline f8 load8_of(const S* p) {
   if constexpr (std::is_same_v<S, float>) {
     return load8(p);
   } else if constexpr (std::is_same_v<S, mx::float16_t>) {
@@ -623,8 +623,9 @@ mx::array packed_weighted(const mx::array& p, const mx::array& w, const mx::arra
 }
 
 
-// s[m * ld] = q[m] . row for the M query rows of q (M x D floats).
-inline void dot_rows(const float* q, int M, int D, const float* row, float* s, size_t ld) {
+// s[m * ld] = q[m] . row for the M query rows of q (M x D floats). Always
+// inlined: a call would run the default target's code inside the AVX2 clones.
+__attribute__((always_inline)) inline void dot_rows(const float* q, int M, int D, const float* row, float* s, size_t ld) {
   for (int m = 0; m < M; ++m) {
     const float* qm = q + size_t(m) * D;
     f8 a0 = {}, a1 = {};
@@ -637,8 +638,8 @@ inline void dot_rows(const float* q, int M, int D, const float* row, float* s, s
 }
 
 // acc[m] += p[m * ld] * row for the M rows of acc (rows acc_ld floats apart).
-inline void axpy_rows(const float* p, size_t ld, int M, int D, const float* row, float* acc,
-                      size_t acc_ld) {
+__attribute__((always_inline)) inline void axpy_rows(const float* p, size_t ld, int M, int D,
+                                                     const float* row, float* acc, size_t acc_ld) {
   for (int m = 0; m < M; ++m) {
     float pm0 = p[size_t(m) * ld];
     if (pm0 == 0.0f) continue;
@@ -919,7 +920,7 @@ struct Exact {
 
 // Row `row` (D values of S) as float32 into `buf`, or in place for float32.
 template <typename S>
-inline const float* exact_row(const S* row, int D, float* buf) {
+__attribute__((always_inline)) inline const float* exact_row(const S* row, int D, float* buf) {
   if constexpr (std::is_same_v<S, float>) {
     return row;
   } else {
