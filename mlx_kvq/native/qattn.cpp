@@ -298,6 +298,32 @@ inline void dequantize_row(const uint8_t* w, const S* sc, const S* bi, int D, in
   }
 }
 
+// s[m * ld] = q[m] . row for the M query rows of q (M x D floats). Always
+// inlined: a call would run the default target's code inside the AVX2 clones.
+__attribute__((always_inline)) inline void dot_rows(const float* q, int M, int D, const float* row, float* s, size_t ld) {
+  for (int m = 0; m < M; ++m) {
+    const float* qm = q + size_t(m) * D;
+    f8 a0 = {}, a1 = {};
+    for (int i = 0; i < D; i += 16) {
+      a0 += load8(qm + i) * load8(row + i);
+      a1 += load8(qm + i + 8) * load8(row + i + 8);
+    }
+    s[size_t(m) * ld] = hsum(a0 + a1);
+  }
+}
+
+// acc[m] += p[m * ld] * row for the M rows of acc (rows acc_ld floats apart).
+__attribute__((always_inline)) inline void axpy_rows(const float* p, size_t ld, int M, int D,
+                                                     const float* row, float* acc, size_t acc_ld) {
+  for (int m = 0; m < M; ++m) {
+    float pm0 = p[size_t(m) * ld];
+    if (pm0 == 0.0f) continue;
+    f8 pm = (f8){} + pm0;
+    float* o = acc + size_t(m) * acc_ld;
+    for (int i = 0; i < D; i += 8) store8(o + i, load8(o + i) + pm * load8(row + i));
+  }
+}
+
 // ---- scores: q (M x D) against packed K rows [n0, n1) -> out (M x N) --------
 template <int bits, typename S>
 KVQ_CLONES void scores_rows(
@@ -306,15 +332,7 @@ KVQ_CLONES void scores_rows(
   alignas(32) float k[512];
   for (int n = n0; n < n1; ++n) {
     dequantize_row<bits, S>(w + n * w_row, sc + n * s_row, bi + n * s_row, D, gs, k);
-    for (int m = 0; m < M; ++m) {
-      const float* qm = q + size_t(m) * D;
-      f8 a0 = {}, a1 = {};
-      for (int i = 0; i < D; i += 16) {
-        a0 += load8(qm + i) * load8(k + i);
-        a1 += load8(qm + i + 8) * load8(k + i + 8);
-      }
-      out[size_t(m) * N + n] = hsum(a0 + a1);
-    }
+    dot_rows(q, M, D, k, out + n, N);
   }
 }
 
@@ -326,13 +344,7 @@ KVQ_CLONES void weighted_rows(
   alignas(32) float v[512];
   for (int n = n0; n < n1; ++n) {
     dequantize_row<bits, S>(w + n * w_row, sc + n * s_row, bi + n * s_row, D, gs, v);
-    for (int m = 0; m < M; ++m) {
-      f8 pm = (f8){} + p[size_t(m) * N + n];
-      float* o = acc + size_t(m) * D;
-      for (int i = 0; i < D; i += 8) {
-        store8(o + i, load8(o + i) + pm * load8(v + i));
-      }
-    }
+    axpy_rows(p + n, N, M, D, v, acc, D);
   }
 }
 
@@ -622,32 +634,6 @@ mx::array packed_weighted(const mx::array& p, const mx::array& w, const mx::arra
                    {mx::astype(p, mx::float32, s), w, scales, biases});
 }
 
-
-// s[m * ld] = q[m] . row for the M query rows of q (M x D floats). Always
-// inlined: a call would run the default target's code inside the AVX2 clones.
-__attribute__((always_inline)) inline void dot_rows(const float* q, int M, int D, const float* row, float* s, size_t ld) {
-  for (int m = 0; m < M; ++m) {
-    const float* qm = q + size_t(m) * D;
-    f8 a0 = {}, a1 = {};
-    for (int i = 0; i < D; i += 16) {
-      a0 += load8(qm + i) * load8(row + i);
-      a1 += load8(qm + i + 8) * load8(row + i + 8);
-    }
-    s[size_t(m) * ld] = hsum(a0 + a1);
-  }
-}
-
-// acc[m] += p[m * ld] * row for the M rows of acc (rows acc_ld floats apart).
-__attribute__((always_inline)) inline void axpy_rows(const float* p, size_t ld, int M, int D,
-                                                     const float* row, float* acc, size_t acc_ld) {
-  for (int m = 0; m < M; ++m) {
-    float pm0 = p[size_t(m) * ld];
-    if (pm0 == 0.0f) continue;
-    f8 pm = (f8){} + pm0;
-    float* o = acc + size_t(m) * acc_ld;
-    for (int i = 0; i < D; i += 8) store8(o + i, load8(o + i) + pm * load8(row + i));
-  }
-}
 
 // ---- paged attention: rows read through block tables ------------------------
 //
