@@ -550,11 +550,18 @@ def plan_kv(
             notes.append(f"{where}: sink tokens (keep={c.keep}) are not kept in batched windows")
         skipped = slot in cfg.skip_layers
         key_spec, value_spec = cfg.specs(bounded=window is not None)
-        if is_split(key_spec, value_spec) and not _has_split(kind, name, field):
-            key_spec, value_spec = per_token(key_spec), per_token(value_spec)
+        if is_split(key_spec, value_spec) and not (
+            indexer is None and _has_split(kind, name, field)
+        ):
+            key_spec, value_spec = per_token(key_spec, cfg), per_token(value_spec, cfg)
+            why = (
+                f"{model_type}'s indexer sets its attention caches' `.keys` itself"
+                if indexer is not None
+                else "no split layout is declared for this kind"
+            )
             notes.append(
-                f"{where} ({name}): no split layout is declared for this kind, so its keys "
-                "are quantized per token with no token kept exact"
+                f"{where} ({name}): {why}, so its keys are quantized per token with no "
+                "token kept exact"
             )
         layers.append(
             LayerPlan(
@@ -638,9 +645,10 @@ def _has_split(kind, name: str, field: str | None) -> bool:
     return kind.split is not None and name != "indexer" and field is None
 
 
-def per_token(spec: QuantSpec) -> QuantSpec:
-    """`spec` without the split layout: per-token scales, no token kept exact."""
-    return replace(spec, per_channel=False, sinks=0, residual=0)
+def per_token(spec: QuantSpec, cfg: KVConfig) -> QuantSpec:
+    """`spec` without the split layout: per-token scales in `cfg`'s groups of
+    channels (a per-channel key's group counts tokens), no token kept exact."""
+    return replace(spec, group_size=cfg.group_size, per_channel=False, sinks=0, residual=0)
 
 
 def _replace(p: LayerPlan, **changes) -> LayerPlan:

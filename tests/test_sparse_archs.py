@@ -96,6 +96,29 @@ def test_every_kv_leaf_quantized_bounded_and_as_planned(models, name, cfg):
         assert c.nbytes == round(p.bytes_per_row() * c.key_store.length)
 
 
+SPLIT = KVConfig(
+    key_bits=5, value_bits=4, rotation="hadamard", key_scales="channel", key_group_size=128,
+    sinks=4, residual=16,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_split_setting_falls_back_per_token_where_a_kind_has_no_split_form(models, name):
+    """Indexer models set their attention caches' `.keys` themselves and
+    deepseek_v41's layer fields have no per-channel form: under a split
+    setting every layer gets per-token keys in the setting's channel groups
+    (a key group of 128 tokens is no channel group), the plan says so for
+    each, and generation runs."""
+    model = models[name]
+    plan = plan_kv(model, SPLIT)
+    for p in plan.kv_layers:
+        k = p.key_spec
+        assert (k.bits, k.group_size, k.per_channel, k.sinks, k.residual) == (5, 64, False, 0, 0)
+        where = f"cache slot {p.slot} member {p.member} ({p.kind})"
+        assert any(n.startswith(where) and "per token" in n for n in plan.notes), where
+    assert len(_greedy(model, plan.make_cache())) == N_TOKENS
+
+
 def _kv_leaves(slot) -> list:
     from mlx_kvq.caches import KVQCache, leaves
 
