@@ -90,16 +90,17 @@ def test_eval_json_on_any_english_text(tmp_path, capsys) -> None:
     text.write_text(
         "Dear neighbour, the meeting about the new bridge has moved to Thursday evening. "
         "Please bring the drawings you showed us last week, and a copy of the budget. "
-        "We will start at seven and expect to finish before nine, weather permitting. " * 3
+        "We will start at seven and expect to finish before nine, weather permitting. " * 10
     )
+    # longer than the default's exact tokens (sinks, the last 128, a key group)
     rc = main(
-        ["eval", "--model", "demo:full", "--text", str(text), "--context", "96",
+        ["eval", "--model", "demo:full", "--text", str(text), "--context", "384",
          "--chunk", "32", "--windows", "1", "--json", "--no-progress"]
     )  # fmt: skip
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
     assert data["model"] == "demo:full"
     (row,) = data["settings"][0]["texts"]
-    assert row["text"] == "letter" and row["tokens_scored"] == 95
+    assert row["text"] == "letter" and row["tokens_scored"] == 383
     assert 0 < row["kl_mean"] < 0.1 and 0.5 < row["top1"] <= 1.0
     assert 1 < row["ppl_base"] < 4096

@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvq_testing.helpers import tiny_model
 
 from mlx_kvq.config import KVConfig, UnsupportedKVConfig
+from mlx_kvq.defaults import DEFAULT_FULL_KV_CONFIG
 from mlx_kvq.engine.prompt_cache import PromptCache
 from mlx_kvq.engine.stops import StopMatcher
-from mlx_kvq.engine.warmup import check_batch_path, verify_warmup, warmup_spec
+from mlx_kvq.engine.warmup import check_batch_path, held_exact, verify_warmup, warmup_spec
+from mlx_kvq.plan import plan_kv
 
 
 class FakeCache:
@@ -192,6 +195,22 @@ def test_warmup_goes_past_window_and_quantized_start():
     assert spec.batch_size >= 3 and len(set(spec.joining)) == len(spec.joining)
     with pytest.raises(UnsupportedKVConfig, match="quantized-kv-start"):
         warmup_spec(16, KVConfig(bits=4, quantized_start=1000), 512)
+
+
+def test_warmup_goes_past_what_a_split_layer_keeps_exact():
+    """A split layer quantizes its first tokens only once its sinks, residual
+    and a whole flush unit (a key group, or a block in the paged form) are
+    held: a shorter warm-up would prove only its exact path."""
+    kv = DEFAULT_FULL_KV_CONFIG
+    plan = plan_kv(tiny_model("llama"), kv, batch=True)
+    k = kv.key_spec
+    assert held_exact(plan, None) == k.sinks + k.residual + k.group_size - 1
+    assert held_exact(plan, 256) == k.sinks + k.residual + 256 - 1
+    assert held_exact(plan_kv(tiny_model("llama"), KVConfig(bits=4), batch=True), 256) == 0
+    spec = warmup_spec(None, kv.with_(quantized_start=10), None, held_exact(plan, None))
+    assert spec.must_exceed == 10 + held_exact(plan, None) and spec.long > spec.must_exceed
+    with pytest.raises(UnsupportedKVConfig, match="kept exact"):
+        warmup_spec(None, kv, 200, held_exact(plan, None))
 
 
 def _slot(kind, quantized=True, tokens=20):

@@ -4,12 +4,12 @@ The `default` and `default_full` blocks of docs/quality.md each hold an
 `mlx-kvq eval` command and the table it prints for one demo model (hybrid
 `demo:gemma`, full-attention `demo:full`), taken from the frontier runs
 recorded in docs/quality.json. Checked here: each command evaluates the
-package's default setting for that model's layout (with or without a bounded
-layer); that setting is the one the documented rule (`choose_default` in
-scripts/quality_tables.py) picks from the model's recorded frontier, while
-no single setting meets the goal on both models; the doc shows the recorded
-numbers; and
-running each command on a slice (the first window of each text) reproduces
+setting the documented rule (`choose_default` in scripts/quality_tables.py)
+picks from that model's recorded frontier, while no single setting meets the
+goal on both models; on the hybrid demo that is the package's default for
+models with a bounded layer, while the full-attention default is the rule's
+pick on the real model's runs (docs/quality_real, scripts/real_frontier.py);
+the doc shows the recorded numbers; and running each command on a slice (the first window of each text) reproduces
 the recorded per-window KL and top-1 figures within the standard error the
 doc states beside them (top-1 also within two positions of the window: the
 BLAS's thread count changes the order of sums, which flips near-ties; the
@@ -42,10 +42,11 @@ RAW = REPO / "docs" / "quality.json"
 sys.path.insert(0, str(REPO / "scripts"))
 
 import quality_tables as qt  # noqa: E402
+import real_frontier  # noqa: E402
 
 BLOCKS = {"gemma": "default", "full": "default_full"}
 TIES = 2  # positions of a window whose top token a different summation order may flip
-LAYOUT_DEFAULTS = {"gemma": DEFAULT_KV_CONFIG, "full": DEFAULT_FULL_KV_CONFIG}
+REAL_RUNS = REPO / "docs" / "quality_real"
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +88,14 @@ def test_the_rule_picks_each_layouts_default_and_no_one_setting_serves_both(raw)
     assert len(both) >= 5 and all(len(r["texts"]) == 4 for r in both)
     assert not any(qt.meets_goal(r) for r in both)  # within the budget, on every model
     assert qt.rule_section(raw) in _block("rule")
+    assert qt.package_default("gemma") == DEFAULT_KV_CONFIG
+    assert qt.package_default("full") == DEFAULT_FULL_KV_CONFIG
     for model, block in BLOCKS.items():
-        want = LAYOUT_DEFAULTS[model]
-        assert qt.package_default(model) == want
         data = raw[qt.RULE_RUNS[model]]["data"]
-        chosen = qt.choose_default(qt.rows(data))
-        assert qt.config_of(chosen) == want
+        chosen = qt.demo_row(data)
+        want = qt.config_of(chosen)
+        if model == "gemma":
+            assert want == DEFAULT_KV_CONFIG
         if not qt.meets_goal(chosen):  # past the budget: only when nothing within it does
             assert not any(qt.meets_goal(r) for r in qt.rows(data))
             assert qt.meets_goal(chosen, budget=math.inf) and qt.clears(chosen)
@@ -105,13 +108,23 @@ def test_the_rule_picks_each_layouts_default_and_no_one_setting_serves_both(raw)
         assert args.text is None  # both texts of that demo model
 
 
+def test_the_full_attention_default_is_the_rules_choice_on_the_real_model():
+    """SmolLM2-135M's runs (both texts, two windows or more): the rule picks
+    the package's default for models whose layers all hold the whole context."""
+    reports = [json.loads(p.read_text()) for p in sorted(REAL_RUNS.glob("smollm2_*.json"))]
+    assert len(real_frontier.rule_rows(reports)) >= 5
+    chosen = real_frontier.choose(reports)
+    assert qt.config_of(chosen) == DEFAULT_FULL_KV_CONFIG
+    assert qt.meets_goal(chosen, budget=math.inf) and qt.clears(chosen)
+
+
 @pytest.mark.parametrize("which", list(BLOCKS))
 def test_the_command_reproduces_the_recorded_figures_on_a_slice(raw, which):
     args = _command_args(BLOCKS[which])
-    row = qt.default_row(qt.rows(raw[qt.RULE_RUNS[which]]["data"]), which)
+    row = qt.demo_row(raw[qt.RULE_RUNS[which]]["data"])
     model, _, texts = ev.load_eval_inputs(args.model, args.text, args.dtype)
     cfg = kv_setting(args, model_source(args), model)
-    assert cfg == LAYOUT_DEFAULTS[which]
+    assert cfg == qt.config_of(row)
     assert list(texts) == list(row["texts"])
     for name, (ids, bos) in texts.items():
         want = row["texts"][name]

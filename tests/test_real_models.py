@@ -25,7 +25,9 @@ from kvq_testing.server import ServerProcess
 from mlx_lm.generate import BatchGenerator
 
 from mlx_kvq.caches import Pages, page_caches
+from mlx_kvq.config import AUTO_BLOCK_SIZE, is_split
 from mlx_kvq.defaults import default_kv_config
+from mlx_kvq.engine.runner import choose_layout
 from mlx_kvq.from_gguf import read_conversion
 from mlx_kvq.plan import has_bounded_layers, plan_kv
 
@@ -209,15 +211,20 @@ def test_paged_layout_matches_padded_rows(name):
     model, tok = real_models.loaded(name)
     kv = default_kv_config(has_bounded_layers(model))
     plan = plan_kv(model, kv, batch=True)
-    text = tok.encode(_text(4000), add_special_tokens=False)
-    prompts = [text[:20], text[100:170], text[300:340]]
+    text = tok.encode(_text(8000), add_special_tokens=False)
+    layout = choose_layout(plan, AUTO_BLOCK_SIZE)  # the engine's block size for this plan
+    # the second row writes blocks in every layout (a split layout's block
+    # leaves its tail `residual` tokens before the end)
+    long = layout.block_size + max(p.key_spec.residual for p in plan.kv_layers) + 40
+    prompts = [text[:20], text[100 : 100 + long], text[1400:1440]]
     exact = _decode(model, None, prompts)  # the text every arm then decodes
     padded = _decode(model, [plan.make_cache() for _ in prompts], prompts, exact[0])
-    pages = Pages(16)
+    pages = Pages(layout.block_size)
     paged = _decode(
         model, [page_caches(plan.make_cache(), pages) for _ in prompts], prompts, exact[0]
     )
-    assert pages.pools
+    assert set(pages.pools) == layout.paged
+    assert all(p.generation for p in pages.pools.values())  # every pool took blocks
     assert paged[0] == padded[0] == exact[0]  # the forced text, in every arm
     # The layouts sum in different orders; where a difference crosses a
     # rounding boundary of the next layer's quantization it moves a value by a
@@ -225,6 +232,13 @@ def test_paged_layout_matches_padded_rows(name):
     # own effect, not to float precision, and may differ on a near tie.
     top = [np.concatenate([x.argmax(-1) for x in arm[1]]) for arm in (paged, padded)]
     assert (top[0] == top[1]).mean() >= 0.9, top
-    between = np.concatenate([_kl(b, a) for a, b in zip(paged[1], padded[1], strict=True)])
     noise = np.concatenate([_kl(e, b) for b, e in zip(padded[1], exact[1], strict=True)])
+    if any(is_split(p.key_spec, p.value_spec) for p in plan.kv_layers):
+        # the split layout's paged groups start at position 0 and its blocks
+        # keep up to a block more tokens exact: other tokens are quantized, in
+        # other groups, so paged is held to padded's own distance from exact
+        paged_noise = np.concatenate([_kl(e, b) for b, e in zip(paged[1], exact[1], strict=True)])
+        assert paged_noise.mean() < 2 * noise.mean(), (paged_noise, noise)
+        return
+    between = np.concatenate([_kl(b, a) for a, b in zip(paged[1], padded[1], strict=True)])
     assert between.mean() < 0.2 * noise.mean(), (between, noise)

@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve until interrupted, in one process or on every rank of an
     `mlx.launch` group (rank 0 serves HTTP); status 2 for settings refused at
     startup."""
-    from ..engine import Engine, check_batch_path, warmup_spec
+    from ..engine import Engine, check_batch_path, held_exact, warmup_spec
 
     launch = Launch.current()
     setup_logging(args, launch.rank)
@@ -283,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
 
     def checks(plan) -> None:
         check_batch_path(plan.make_cache, kv, max_batch=plan.max_batch)
-        warmup_spec(plan.max_window, kv, plan.max_context)
+        warmup_spec(plan.max_window, kv, plan.max_context, held_exact(plan, None))
 
     with launch.refusing(f"KV setting refused for {source.served_id}: "):
         kv = launch.kv_setting(args, source, model)

@@ -31,7 +31,15 @@ from .requests import (
 )
 from .scheduler import RequestStatus, StepPlan
 from .speculation import DraftModel
-from .warmup import Readiness, ReadinessState, Status, WarmupFailed, check_batch_path, warmup_spec
+from .warmup import (
+    Readiness,
+    ReadinessState,
+    Status,
+    WarmupFailed,
+    check_batch_path,
+    held_exact,
+    warmup_spec,
+)
 
 __all__ = [
     "SHUTTING_DOWN",
@@ -75,5 +83,6 @@ __all__ = [
     "WarmupFailed",
     "WarmupVerdict",
     "check_batch_path",
+    "held_exact",
     "warmup_spec",
 ]

@@ -2,8 +2,8 @@
 
 Before `/health` says ready, the engine runs a small batch through exactly
 the path requests take (plan caches, mlx-lm's `BatchGenerator`, extraction
-for the prompt cache): one sequence long enough to pass `--quantized-kv-start`
-and every sliding window, joined while it decodes by two short ones of
+for the prompt cache): one sequence long enough to pass `--quantized-kv-start`,
+every sliding window and what a split layer keeps exact, joined while it decodes by two short ones of
 different lengths (right padding, a merge into the running batch), then
 checks with `cache_report` that every KV cache kind of the model ended up
 quantized (`run_warmup`; with a draft model, one sequence through the
@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_kvq.caches import cache_report
-from mlx_kvq.config import KVConfig, UnsupportedKVConfig
+from mlx_kvq.config import KVConfig, UnsupportedKVConfig, is_split
 from mlx_kvq.plan import KV_KINDS
 
 from .coordinator import WarmupVerdict
@@ -106,16 +106,33 @@ class WarmupSpec:
         return 2 * self.max_tokens
 
 
-def warmup_spec(max_window: int | None, kv: KVConfig, max_context: int | None) -> WarmupSpec:
-    """Prompt lengths that carry every sequence past all thresholds."""
-    must_exceed = max(max_window or 0, kv.quantized_start)
+def held_exact(plan: Any, block_size: int | None) -> int:
+    """The most tokens a split-layout layer of `plan` holds before its first
+    quantized token: its sinks, its residual and a flush unit (a key group,
+    or a block of `block_size` in the paged form), less one."""
+    most = 0
+    for p in plan.kv_layers:
+        k, v = p.key_spec, p.value_spec
+        if p.quantized and is_split(k, v):
+            unit = max(k.flush_unit, v.flush_unit, block_size or 0)
+            most = max(most, max(k.sinks, v.sinks) + max(k.residual, v.residual) + unit - 1)
+    return most
+
+
+def warmup_spec(
+    max_window: int | None, kv: KVConfig, max_context: int | None, exact: int = 0
+) -> WarmupSpec:
+    """Prompt lengths that carry every sequence past all thresholds (`exact`:
+    the tokens a layer keeps exact before it quantizes one, `held_exact`)."""
+    must_exceed = max(max_window or 0, kv.quantized_start + exact)
     longest = must_exceed + WARMUP_MARGIN
     spec = WarmupSpec(longest, WARMUP_JOINING, WARMUP_DECODE, must_exceed)
     if max_context is not None and longest + spec.first_tokens > max_context:
         raise UnsupportedKVConfig(
-            f"the warm-up needs {longest + spec.first_tokens} tokens (past the sliding window "
-            f"and --quantized-kv-start {kv.quantized_start}) but the plan allows a context "
-            f"of {max_context}; lower --quantized-kv-start or raise --max-kv-size"
+            f"the warm-up needs {longest + spec.first_tokens} tokens (past the sliding window, "
+            f"--quantized-kv-start {kv.quantized_start} and the {exact} tokens kept exact) but "
+            f"the plan allows a context of {max_context}; lower --quantized-kv-start or "
+            "raise --max-kv-size"
         )
     return spec
 
@@ -249,7 +266,8 @@ def run_warmup(
     speculative lane, with a draft model): this rank's verdict and the width
     of the model's logits (0 if the warm-up did not see them)."""
     t0 = time.monotonic()
-    spec = warmup_spec(plan.max_window, kv, max_context)
+    exact = held_exact(plan, None if runner.pages is None else runner.pages.block_size)
+    spec = warmup_spec(plan.max_window, kv, max_context, exact)
     filler = list(tokenizer.encode(WARMUP_TEXT)) or [0]
     first, *joining = [(filler * (n // len(filler) + 1))[:n] for n in (spec.long, *spec.joining)]
     run = runner.warm_up(first, spec.first_tokens, joining, spec.max_tokens, plan.make_cache)
