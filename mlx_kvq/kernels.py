@@ -192,11 +192,13 @@ def paged_split_attention(
     (B, H_kv, M, 2 * Dv): [exact share, body share in the rotated basis]."""
     k, v = keys.pool, values.pool
     H, Dk, Dv = q.shape[1], q.shape[3], v.scales.shape[3] * v.group_size
-    sd = k.scales.dtype
+    sd, B = k.scales.dtype, len(keys.ends)
     exact = []
-    for parts in zip(keys.sinks, values.sinks, keys.tails, values.tails, strict=True):
-        for a, d in zip(parts, (Dk, Dv, Dk, Dv), strict=True):
+    for parts in zip(keys.sinks, values.sinks, strict=True):
+        for a, d in zip(parts, (Dk, Dv), strict=True):
             exact.append(mx.zeros((1, H, 0, d), sd) if a is None else a)
+    for a, d in ((keys.tail, Dk), (values.tail, Dv)):
+        exact.append(mx.zeros((B, H, 0, d), sd) if a is None else a)
     has_sinks = sinks is not None
     return _module.paged_split_attention(
         q, qb, k.data, k.scales, k.biases, v.data, v.scales, v.biases,

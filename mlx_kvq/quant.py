@@ -192,7 +192,9 @@ class PagedSplitKV:
 
     Row `b` holds positions `[0, ends[b])`: the first `blocks[b] *
     block_size` in the blocks `tables[b]` of `pool` (quantized once, in the
-    body's basis), then its exact `tails[b]` `(1, H, n, D)`. Its exact
+    body's basis), then its exact tail: the first `ends[b] - blocks[b] *
+    block_size` slots of row `b` of `tail` `(rows, H, capacity, D)` (None:
+    no row has one). Its exact
     `sinks[b]` stand for the first slots of its first block (None: no block
     yet, or no sinks). Its queries are the last positions before `ends[b]`
     and see the keys at or before their own. `rows()` lays the same rows
@@ -206,7 +208,7 @@ class PagedSplitKV:
     blocks: tuple[int, ...]
     ends: tuple[int, ...]
     sinks: tuple[mx.array | None, ...]
-    tails: tuple[mx.array | None, ...]
+    tail: mx.array | None  # (rows, H, capacity, D): each row's exact tail first
     rows: Callable[[], SplitRows]
 
     @property

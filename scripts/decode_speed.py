@@ -32,13 +32,9 @@ from mlx_kvq.engine.runner import choose_layout
 from mlx_kvq.kernels import native_status
 from mlx_kvq.plan import plan_kv
 
-# The split layout the rule picks on SmolLM2 (docs/quality.md): keys 5 bits
-# per channel in groups of 128 tokens, values 4 bits, rotation, 4 sinks and
-# the last 128 tokens exact.
-SPLIT = KVConfig(
-    bits=5, value_bits=4, group_size=64, rotation="hadamard", key_scales="channel",
-    key_group_size=128, sinks=4, residual=128,
-)  # fmt: skip
+# The per-token full-attention default before the split layout: keys 6 bits,
+# values 5 bits, rotation, nothing exact.
+PER_TOKEN = KVConfig(bits=6, value_bits=5, group_size=64, rotation="hadamard")
 # The split layout the rule picks on Gemma 3 (docs/quality.md): keys 6 bits
 # per channel, values 5 bits, no rotation, 4 sinks, the last 64 tokens exact.
 HYBRID_SPLIT = KVConfig(
@@ -52,8 +48,8 @@ ARMS: dict[str, tuple[KVConfig, int | str] | None] = {
     "default paged": (DEFAULT_FULL_KV_CONFIG, AUTO_BLOCK_SIZE),
     "default padded": (DEFAULT_FULL_KV_CONFIG, 0),
     "4-bit paged": (KVConfig(bits=4), 32),
-    "split padded": (SPLIT, 0),
-    "split paged": (SPLIT, 128),
+    "K6/V5 paged": (PER_TOKEN, AUTO_BLOCK_SIZE),
+    "K6/V5 padded": (PER_TOKEN, 0),
     "hybrid default paged": (DEFAULT_KV_CONFIG, AUTO_BLOCK_SIZE),
     "hybrid split padded": (HYBRID_SPLIT, 0),
     "hybrid split paged": (HYBRID_SPLIT, 128),
@@ -68,7 +64,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps per timed round")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per arm")
     ap.add_argument(
-        "--arms", default="mlx-lm,raw paged,default paged,default padded,split padded,split paged",
+        "--arms", default="mlx-lm,raw paged,default paged,default padded,K6/V5 paged",
         help=f"comma-separated, the first is the baseline; of: {', '.join(ARMS)}",
     )  # fmt: skip
     args = ap.parse_args()

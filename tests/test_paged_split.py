@@ -28,7 +28,7 @@ from mlx_kvq.caches import (
     page_caches,
     unpage_caches,
 )
-from mlx_kvq.caches.paged import BlockPool, SplitBlockStorage
+from mlx_kvq.caches.paged import BlockPool, SplitBlockStorage, exact_tokens_held
 from mlx_kvq.commands import build_parser
 from mlx_kvq.commands.serve import engine_options
 from mlx_kvq.config import AUTO_BLOCK_SIZE, KVConfig, QuantSpec
@@ -121,8 +121,13 @@ def test_bytes_are_counted_from_what_is_held():
     assert blocks == 2  # 100 tokens, the last 8 exact: whole blocks up to 64
     tail = c.tails[0]
     assert tail[0].shape[2] == 36 and tail[0].dtype == mx.float16
+    # the batch's tail buffer: whole steps of slots, never past what a row
+    # may hold exact (residual + block size), which the budget prices
+    buffer = c.buffer[0]
+    assert buffer.shape[2] == min(8 + 32, 64) and buffer.dtype == mx.float16
+    assert buffer.shape[2] + st.sink_count <= exact_tokens_held(32, st.key_spec, st.value_spec)
     sink = st.sinks[c.tables[0].ids[0]]
-    want = blocks * st.block_bytes + sum(a.nbytes for a in (*tail, *sink))
+    want = blocks * st.block_bytes + sum(a.nbytes for a in (*c.buffer, *sink))
     assert c.nbytes == want
     # a 32-token block of 2 heads x 32 channels: 4-bit keys per channel (one
     # group of 32 tokens: a scale and a bias per channel), 4-bit values per
@@ -364,6 +369,53 @@ def test_the_native_kernel_reads_the_blocks_in_place_as_the_rows_laid_out(specs,
     assert mx.abs(got - want).max().item() < 1e-5
 
 
+@pytest.mark.parametrize("specs", SPLIT_CASES)
+def test_decode_steps_in_the_tail_buffer_hold_what_each_row_alone_holds(specs):
+    """Rows of three lengths decode 90 steps one token at a time (the batch's
+    tail buffer, written for every row at once, grown, its rows flushed at
+    different steps) and hold, token for token, what each row decoded alone
+    holds; attention over the buffer gives what attention over the rows laid
+    out gives."""
+    ks, vs = specs
+    rng = np.random.default_rng(3)
+    H, D, lengths, steps = 2, 64, (3, 10, 20), 90
+
+    def arr(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.float16)
+
+    prompts = [(arr(1, H, n, D), arr(1, H, n, D)) for n in lengths]
+    tokens = [(arr(3, H, 1, D), arr(3, H, 1, D)) for _ in range(steps)]
+
+    def sequences(pool):
+        out = []
+        for k, v in prompts:
+            seq = KVQPagedSplitSequence(pool)
+            seq.write(k, v)
+            out.append(seq)
+        return out
+
+    together = KVQPagedSplitSequence.merge(sequences(BlockPool(32, ks, vs)))
+    alone = [KVQPagedSplitSequence.merge([s]) for s in sequences(BlockPool(32, ks, vs))]
+    caps = set()
+    for k, v in tokens:
+        kk, vv = together.update_and_fetch(k, v)
+        for i, row in enumerate(alone):
+            row.update_and_fetch(k[i : i + 1], v[i : i + 1])
+        caps.add(together.buffer[0].shape[2])
+    residual = together.pool.storage.residual
+    assert max(caps) <= residual + 32 and (len(caps) > 1 or not residual)  # grown, bounded
+    assert together._lengths() == [n + steps for n in lengths]
+    for i, row in enumerate(alone):
+        got, want = together.extract(i).held(), row.extract(0).held()
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and mx.array_equal(g, w).item()
+    if attention._native() and isinstance(kk, PagedSplitKV):
+        q = arr(3, 6, 1, D).astype(mx.float32)
+        got = attention.paged_split_attention(q, kk, vv, D**-0.5, None, None)
+        want = attention.split_rows_attention(q, kk.rows(), vv.rows(), D**-0.5)
+        assert mx.abs(got - want).max().item() < 1e-5
+
+
 def test_the_native_kernel_reads_bfloat16_rows():
     """A bfloat16 model's exact sinks and tails and scales are bfloat16: the
     kernel converts them as bfloat16 (the high half of a float32)."""
@@ -378,7 +430,7 @@ def test_the_native_kernel_reads_bfloat16_rows():
 
     batch.update_and_fetch(arr(2, 2, 100, 64), arr(2, 2, 100, 64))
     kk, vv = batch.update_and_fetch(arr(2, 2, 1, 64), arr(2, 2, 1, 64))
-    assert kk.tails[0].dtype == kk.sinks[0].dtype == kk.pool.scales.dtype == mx.bfloat16
+    assert kk.tail.dtype == kk.sinks[0].dtype == kk.pool.scales.dtype == mx.bfloat16
     q = arr(2, 6, 1, 64)
     got = attention.paged_split_attention(q, kk, vv, 0.125, None, None).astype(mx.float32)
     want = attention.split_rows_attention(q, kk.rows(), vv.rows(), 0.125).astype(mx.float32)

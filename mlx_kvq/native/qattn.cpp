@@ -889,14 +889,15 @@ mx::array paged_attention(const mx::array& q, const mx::array& kw, const mx::arr
 // Row b holds positions [0, ends[b]): blocks tables[b][0 .. nblocks[b]) for
 // [0, nblocks[b] * block), quantized once in the body's basis (keys per
 // channel, `(blocks, heads, dim, block * bits / 32)`, or per token as `Pool`;
-// values per token), then its exact tail [nblocks[b] * block, ends[b]), 16-bit
-// rows `(1, heads, n, dim)` of its own. Its exact sinks, when it has them,
+// values per token), then its exact tail [nblocks[b] * block, ends[b]): the
+// first slots of row b of the batch's 16-bit tail buffer `(B, heads, capacity,
+// dim)`. Its exact sinks, `(1, heads, n, dim)`, when it has them,
 // stand in for the first slots of its first block. The body is read with
 // `qb` (the queries in the body's basis), the exact rows with `q`; with
 // rotated values the body's share of the output is kept apart (the second
 // half of each output row) for the caller to rotate back.
 
-// One row's exact tokens: (heads, n, dim) rows of S, read in place.
+// One head's exact tokens of one row: n rows of S, read in place.
 template <typename S>
 struct Exact {
   const S* k;
@@ -1011,7 +1012,8 @@ void value_block(int bits, const float* p, int M, int D, const Pool& v, int h, i
 
 // inputs: q, qb (B, H, M, Dk) float32; kw, ks, kb; vw, vs, vb; tables (B, T),
 // nblocks (B), ends (B) int32; sinks (H * M / L) float32; then per row its
-// exact sink keys, sink values, tail keys and tail values (1, H, n, D) of S.
+// exact sink keys and values (1, H, n, D) of S; then the tail key and value
+// buffers (B, H, capacity, D) of S.
 template <typename S>
 void run_split(const SplitParams& pp, const std::vector<mx::array>& in, mx::array& out) {
   const mx::array& q = in[0];
@@ -1035,12 +1037,20 @@ void run_split(const SplitParams& pp, const std::vector<mx::array>& in, mx::arra
   int Dv = vp.w_row * 8 / pp.vbits;
   int Do = out.shape(3);  // Dv, or 2 * Dv with the body's share apart
   int bs = pp.block, L = pp.L;
-  auto rows = [&](int i, int b, int h) -> Exact<S> {
-    const mx::array& k = in[12 + 4 * b + i];
-    const mx::array& v = in[12 + 4 * b + i + 1];
+  auto sink_rows = [&](int b, int h) -> Exact<S> {
+    const mx::array& k = in[12 + 2 * b];
+    const mx::array& v = in[12 + 2 * b + 1];
     int n = k.shape(2);
     if (n == 0) return {nullptr, nullptr, 0};
     return {k.data<S>() + size_t(h) * n * Dk, v.data<S>() + size_t(h) * n * Dv, n};
+  };
+  const mx::array& tk = in[12 + 2 * B];
+  const mx::array& tv = in[13 + 2 * B];
+  int cap = tk.shape(2);
+  auto tail_rows = [&](int b, int h, int n) -> Exact<S> {
+    if (n == 0) return {nullptr, nullptr, 0};
+    size_t row = (size_t(b) * H + h) * cap;
+    return {tk.data<S>() + row * Dk, tv.data<S>() + row * Dv, n};
   };
   int longest = 0;
   for (int b = 0; b < B; ++b) longest = std::max(longest, int(ends[b]));
@@ -1068,7 +1078,7 @@ void run_split(const SplitParams& pp, const std::vector<mx::array>& in, mx::arra
     const float* qr = qa + (size_t(b) * H + h) * M * Dk;
     const float* qbr = qba + (size_t(b) * H + h) * M * Dk;
     const int32_t* table = tb + size_t(b) * T;
-    Exact<S> sink = rows(0, b, h), tail = rows(2, b, h);
+    Exact<S> sink = sink_rows(b, h), tail = tail_rows(b, h, ends[b] - nb * bs);
     int sn = nb > 0 ? sink.n : 0;  // before a first block, the sinks are in the tail
     std::vector<float> s(size_t(M) * n);
     for (int j = j0; j < j1; ++j) {
@@ -1119,9 +1129,10 @@ mx::array paged_split_attention(const mx::array& q, const mx::array& qb, const m
   int B = q.ndim() == 4 ? q.shape(0) : 0;
   if (q.ndim() != 4 || qb.shape() != q.shape() || tables.ndim() != 2 ||
       tables.dtype() != mx::int32 || nblocks.dtype() != mx::int32 || ends.dtype() != mx::int32 ||
-      int(exact.size()) != 4 * B || q.shape(2) % L) {
+      int(exact.size()) != 2 * B + 2 || q.shape(2) % L) {
     throw std::invalid_argument(
-        "kvq native: q, qb (B,H,M,D), int32 tables (B,T), nblocks and ends (B), 4 exact parts per row");
+        "kvq native: q, qb (B,H,M,D), int32 tables (B,T), nblocks and ends (B), 2 sink parts per "
+        "row and 2 tail buffers");
   }
   auto sd = ks.dtype();
   if (vs.dtype() != sd || kb.dtype() != sd || vb.dtype() != sd) {
@@ -1143,13 +1154,19 @@ mx::array paged_split_attention(const mx::array& q, const mx::array& qb, const m
       int64_t(vw.shape(3)) * 32 != int64_t(Dv) * vbits) {
     throw std::invalid_argument("kvq native: paged split shapes do not match bits and group sizes");
   }
-  for (int i = 0; i < 4 * B; ++i) {
+  for (int i = 0; i < 2 * B + 2; ++i) {
     const auto& a = exact[i];
     int D = i % 2 ? Dv : Dk;
-    if (a.ndim() != 4 || a.shape(0) != 1 || a.shape(1) != H || a.shape(3) != D ||
+    int rows = i < 2 * B ? 1 : B;
+    if (a.ndim() != 4 || a.shape(0) != rows || a.shape(1) != H || a.shape(3) != D ||
         (a.size() && a.dtype() != sd)) {
-      throw std::invalid_argument("kvq native: exact rows must be (1, H, n, D) in the scales' dtype");
+      throw std::invalid_argument(
+          "kvq native: sinks must be (1, H, n, D), tail buffers (B, H, capacity, D), in the "
+          "scales' dtype");
     }
+  }
+  if (exact[2 * B].shape(2) != exact[2 * B + 1].shape(2)) {
+    throw std::invalid_argument("kvq native: the tail buffers must share a capacity");
   }
   mx::Shape shape = {q.shape(0), H, q.shape(2), apart ? 2 * Dv : Dv};
   SplitParams p{L, block, kbits, kgs, vbits, vgs, channel, has_sinks, apart};
@@ -1265,7 +1282,8 @@ NB_MODULE(_native, m) {
         "block"_a, "kbits"_a, "kgs"_a, "vbits"_a, "vgs"_a, "channel"_a, "has_sinks"_a, "apart"_a,
         "float32 attention of q (B, H, M, Dk) over split-layout rows: block pools read through "
         "block tables (keys per channel or per token, in the body's basis: qb), and each row's "
-        "exact sinks and tail (exact: sink keys, sink values, tail keys, tail values per row)");
+        "exact sinks and tail (exact: sink keys, sink values per row, then the tail key and value "
+        "buffers)");
   m.def("causal_softmax", &causal_softmax, "scores"_a, "shift"_a, "sinks"_a, "rows"_a,
         "window"_a, "n_rep"_a, "has_sinks"_a,
         "float32 softmax of scores (B, H, n_rep * rows, S) under a causal mask by positions: "

@@ -8,8 +8,11 @@ A row holds positions `[0, length)` as
   per token) when the row moved `residual` tokens past its end, and never
   changed again, so a full block is shared as it is (prefix sharing, the
   prompt cache) and registered by the tokens it covers like any block;
-- its exact tail, `[table.length, length)`, 16-bit arrays of its own:
-  the newest `residual` tokens at least, fewer than `residual + block_size`;
+- its exact tail, `[table.length, length)`, 16-bit: the newest `residual`
+  tokens at least, fewer than `residual + block_size`. A sequence holds it
+  as arrays of its own; a batch holds its rows' tails in one buffer
+  `(rows, H, capacity, D)` (at most `residual + block_size` slots a row), so
+  a decode step writes every row's new token in one operation;
 - the sinks: the first `sinks` tokens, exact, held beside the row's first
   block in the pool (shared with it) once that block is written (before,
   they are in the tail).
@@ -51,10 +54,14 @@ EMPTY: Tail = (None, None)
 
 
 def exact_tokens_held(block_size: int, key_spec: QuantSpec, value_spec: QuantSpec) -> int:
-    """The most tokens a row holds exact beside its blocks: a tail of fewer
-    than `residual + block_size`, and its sinks."""
+    """The most tokens a row holds exact beside its blocks: its slots of a
+    batch's tail buffer (`residual + block_size`: a tail of fewer, and the
+    token being written), and its sinks."""
     residual = max(key_spec.residual, value_spec.residual)
-    return residual + block_size - 1 + max(key_spec.sinks, value_spec.sinks)
+    return residual + block_size + max(key_spec.sinks, value_spec.sinks)
+
+
+TAIL_STEP = 32  # a batch's tail buffer grows by this many slots a row
 
 
 def _tail_len(tail: Tail) -> int:
@@ -198,7 +205,8 @@ def row_kv(pool: BlockPool, table: BlockTable, tail: Tail) -> tuple[SplitKV, Spl
 
 class KVQPagedSplitCache(PagedBatch):
     """A batch of split-layout full-attention rows over one pool (see the
-    module docstring): blocks in the pool, each row's exact tail here."""
+    module docstring): blocks in the pool, the rows' exact tails in one
+    buffer here (row `i`'s first `counts[i]` slots)."""
 
     kind = "full"
     shares_storage = True
@@ -207,40 +215,76 @@ class KVQPagedSplitCache(PagedBatch):
         if window is not None:
             raise ValueError("the split layout has no paged form for sliding windows")
         super().__init__(pool, None)
-        self.tails: list[Tail] = []
+        self.buffer: Tail = EMPTY  # (rows, H, capacity, D) exact keys, values
+        self.counts: list[int] = []  # each row's tail length
         self.dtype: mx.Dtype | None = None
+
+    @property
+    def tails(self) -> list[Tail]:
+        """Each row's exact tail `(1, H, n, D)` (slices of the buffer)."""
+        bk, bv = self.buffer
+        return [
+            EMPTY if not n else (bk[i : i + 1, :, :n], bv[i : i + 1, :, :n])
+            for i, n in enumerate(self.counts)
+        ]
+
+    def _hold(self, tails: list[Tail]) -> None:
+        """Hold `tails` (one per row) in a new buffer."""
+        self.counts = [_tail_len(x) for x in tails]
+        filled = [x for x in tails if x[0] is not None]
+        if not filled:
+            self.buffer = EMPTY
+            self._sync()
+            return
+        cap = self._capacity(max(self.counts))
+        rows = []
+        for side in (0, 1):
+            like = filled[0][side]
+            H, D = like.shape[1], like.shape[3]
+            parts = []
+            for x, n in zip(tails, self.counts, strict=True):
+                if n == cap:
+                    parts.append(x[side])
+                else:
+                    pad = mx.zeros((1, H, cap - n, D), like.dtype)
+                    parts.append(pad if not n else mx.concatenate([x[side], pad], axis=2))
+            rows.append(mx.concatenate(parts) if len(parts) > 1 else parts[0])
+        self.buffer = (rows[0], rows[1])
+        self._sync()
+
+    def _capacity(self, need: int) -> int:
+        """Slots a row of the buffer gets for `need` tokens: in steps of
+        TAIL_STEP, never past a decode's most (`residual + block_size`)
+        unless `need` is (a prompt chunk before its flush)."""
+        most = self.pool.storage.residual + self.pool.block_size
+        return need if need >= most else min(most, -(-need // TAIL_STEP) * TAIL_STEP)
 
     def _sync(self) -> None:
         self._table_array = None
-        self.offset = mx.array(
-            [t.length + _tail_len(x) for t, x in zip(self.tables, self.tails, strict=True)],
-            dtype=mx.int32,
-        )
+        self.offset = mx.array(self._lengths(), dtype=mx.int32)
 
     def _after_copy(self) -> None:
-        self.tails = list(self.tails)
+        self.counts = list(self.counts)
         self._sync()
 
     def _lengths(self) -> list[int]:
-        return [t.length + _tail_len(x) for t, x in zip(self.tables, self.tails, strict=True)]
+        return [t.length + n for t, n in zip(self.tables, self.counts, strict=True)]
+
+    def _buffer_bytes(self) -> int:
+        return _tail_bytes(self.buffer)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the blocks (and sinks) its rows reference, shared ones
-        counted by each holder, and of their exact tails."""
-        return sum(
-            t.nbytes + _sinks_bytes(self.pool, t) + _tail_bytes(x)
-            for t, x in zip(self.tables, self.tails, strict=True)
-        )
+        counted by each holder, and of the tail buffer."""
+        held = sum(t.nbytes + _sinks_bytes(self.pool, t) for t in self.tables)
+        return held + self._buffer_bytes()
 
     @property
     def own_nbytes(self) -> int:
-        """Bytes beside the pool's blocks: the exact tails, and the sinks of
+        """Bytes beside the pool's blocks: the tail buffer, and the sinks of
         each row's first block (shared ones counted by each holder)."""
-        return sum(
-            _tail_bytes(x) + _sinks_bytes(self.pool, t)
-            for t, x in zip(self.tables, self.tails, strict=True)
-        )
+        return self._buffer_bytes() + sum(_sinks_bytes(self.pool, t) for t in self.tables)
 
     def empty(self) -> bool:
         return all(n == 0 for n in self._lengths())
@@ -253,15 +297,44 @@ class KVQPagedSplitCache(PagedBatch):
         self.dtype = self.dtype or keys.dtype
         exact = scale_dtype(keys.dtype)
         keys, values = keys.astype(exact), values.astype(exact)
-        limits = self._limits or [None] * B
-        rows = []
-        for i, (t, (tk, tv)) in enumerate(zip(self.tables, self.tails, strict=True)):
-            tail = (_cat(tk, keys[i : i + 1]), _cat(tv, values[i : i + 1]))
-            rows.append((t, tail, limits[i]))
-        self.tails = flush(self.pool, rows)
-        ends = self._lengths()
-        self.offset = mx.array(ends, dtype=mx.int32)
-        return self._paged_view(ends)
+        if N == 1 and self._limits is None and self.buffer[0] is not None:
+            self._append_one(keys, values)
+        else:
+            limits = self._limits or [None] * B
+            rows = []
+            for i, (t, (tk, tv)) in enumerate(zip(self.tables, self.tails, strict=True)):
+                tail = (_cat(tk, keys[i : i + 1]), _cat(tv, values[i : i + 1]))
+                rows.append((t, tail, limits[i]))
+            self._hold(flush(self.pool, rows))
+        return self._paged_view(self._lengths())
+
+    def _append_one(self, keys: mx.array, values: mx.array) -> None:
+        """A decode step: every row's token written into the buffer at once;
+        the rows whose tail then reaches `residual + block_size` move their
+        oldest block into the pool and their rest to the buffer's front."""
+        bk, bv = self.buffer
+        need = max(self.counts) + 1
+        if need > bk.shape[2]:
+            grow = [(0, 0), (0, 0), (0, self._capacity(need) - bk.shape[2]), (0, 0)]
+            bk, bv = mx.pad(bk, grow), mx.pad(bv, grow)
+        at = mx.array(self.counts, dtype=mx.int32)[:, None, None, None]
+        bk = mx.put_along_axis(bk, mx.broadcast_to(at, keys.shape), keys, axis=2)
+        bv = mx.put_along_axis(bv, mx.broadcast_to(at, values.shape), values, axis=2)
+        self.counts = [n + 1 for n in self.counts]
+        self.buffer = (bk, bv)
+        st = self.pool.storage
+        due = [i for i, n in enumerate(self.counts) if n - st.residual >= self.pool.block_size]
+        if due:
+            tails = self.tails
+            rows = [(self.tables[i], tails[i], None) for i in due]
+            for i, (rk, rv) in zip(due, flush(self.pool, rows), strict=True):
+                n = _tail_len((rk, rv))
+                if n:
+                    bk[i : i + 1, :, :n] = rk
+                    bv[i : i + 1, :, :n] = rv
+                self.counts[i] = n
+            self.buffer = (bk, bv)
+        self._sync()
 
     def _paged_view(self, ends: list[int]) -> tuple[PagedSplitKV, PagedSplitKV]:
         """The rows as they are held (`PagedSplitKV`): the pool, the tables,
@@ -288,7 +361,7 @@ class KVQPagedSplitCache(PagedBatch):
             return PagedSplitKV(
                 parts, self.pool.block_size, tables, blocks, ends,
                 tuple(None if s is None else s[side] for s in sinks),
-                tuple(x[side] for x in self.tails), lambda: per_row()[side],
+                self.buffer[side], lambda: per_row()[side],
             )  # fmt: skip
 
         return view(0, st.keys), view(1, st.values)
@@ -316,8 +389,7 @@ class KVQPagedSplitCache(PagedBatch):
 
     @property
     def state(self):
-        tails = [a for x in self.tails for a in x if a is not None]
-        return super().state + tails
+        return super().state + [a for a in self.buffer if a is not None]
 
     # -- BatchGenerator's calls -----------------------------------------------
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
@@ -330,12 +402,11 @@ class KVQPagedSplitCache(PagedBatch):
 
     def finalize(self) -> None:
         if self._limits is not None:
+            lengths, tails = self._lengths(), self.tails
             for i, limit in enumerate(self._limits):
-                self.tails[i], _ = trim(
-                    self.pool, self.tables[i], self.tails[i], self._lengths()[i] - limit
-                )
+                tails[i], _ = trim(self.pool, self.tables[i], tails[i], lengths[i] - limit)
             self._limits = None
-            self._sync()
+            self._hold(tails)
 
     def size(self) -> int:
         return max(self._lengths(), default=0)
@@ -344,23 +415,28 @@ class KVQPagedSplitCache(PagedBatch):
         return True
 
     def trim(self, n: int) -> int:
-        done = []
+        done, tails = [], self.tails
         for i, t in enumerate(self.tables):
-            self.tails[i], d = trim(self.pool, t, self.tails[i], n)
+            tails[i], d = trim(self.pool, t, tails[i], n)
             done.append(d)
-        self._sync()
+        self._hold(tails)
         return min(done, default=0)
 
     def _keep_rows(self, keep: list[int]) -> None:
-        self.tails = [self.tails[i] for i in keep]
+        self.counts = [self.counts[i] for i in keep]
+        if not keep:
+            self.buffer = EMPTY
+        elif self.buffer[0] is not None:
+            rows = mx.array(keep, dtype=mx.int32)
+            self.buffer = (self.buffer[0][rows], self.buffer[1][rows])
 
     def _take_rows(self, other: KVQPagedSplitCache) -> None:
-        self.tails += other.tails
-        other.tails = []
-        self._sync()
+        self._hold(self.tails + other.tails)
+        other.buffer, other.counts = EMPTY, []
 
     def extract(self, idx: int) -> KVQPagedSplitSequence:
-        return KVQPagedSplitSequence(self.pool, None, self.tables[idx].copy(), self.tails[idx])
+        tail = _cut(self.tails[idx], 0)  # its own arrays, not a view of the buffer
+        return KVQPagedSplitSequence(self.pool, None, self.tables[idx].copy(), tail)
 
     @classmethod
     def merge(cls, caches: list[KVQPagedSplitSequence]) -> KVQPagedSplitCache:
@@ -445,14 +521,15 @@ class KVQPagedSplitSequence(KVQPagedSequence):
     def merge(cls, caches: list[KVQPagedSplitSequence]) -> KVQPagedSplitCache:
         c0 = caches[0]
         batch = KVQPagedSplitCache(c0.pool)
+        tails: list[Tail] = []
         for c in caches:
             if c.pool is not c0.pool:
                 raise ValueError("paged caches merge only within one pool")
             batch.tables.append(c.table)
-            batch.tails.append(c.tail)
+            tails.append(c.tail)
             c.tables = [BlockTable(c.pool)]
             c.tail = EMPTY
-        batch._sync()
+        batch._hold(tails)
         return batch
 
 
