@@ -394,14 +394,26 @@ def test_decode_steps_in_the_tail_buffer_hold_what_each_row_alone_holds(specs):
             out.append(seq)
         return out
 
+    def same_attention(kk, vv):
+        if not attention._native():
+            return
+        assert isinstance(kk, PagedSplitKV)
+        q = arr(3, 6, 1, D).astype(mx.float32)
+        got = attention.paged_split_attention(q, kk, vv, D**-0.5, None, None)
+        want = attention.split_rows_attention(q, kk.rows(), vv.rows(), D**-0.5)
+        assert mx.abs(got - want).max().item() < 1e-5
+
     together = KVQPagedSplitSequence.merge(sequences(BlockPool(32, ks, vs)))
     alone = [KVQPagedSplitSequence.merge([s]) for s in sequences(BlockPool(32, ks, vs))]
     caps = set()
-    for k, v in tokens:
+    for step, (k, v) in enumerate(tokens):
         kk, vv = together.update_and_fetch(k, v)
         for i, row in enumerate(alone):
             row.update_and_fetch(k[i : i + 1], v[i : i + 1])
         caps.add(together.buffer[0].shape[2])
+        if step == 0:  # no row has a block yet: the kernel reads the tails alone
+            assert together.pool.storage.keys is None
+            same_attention(kk, vv)
     residual = together.pool.storage.residual
     assert max(caps) <= residual + 32 and (len(caps) > 1 or not residual)  # grown, bounded
     assert together._lengths() == [n + steps for n in lengths]
@@ -409,11 +421,7 @@ def test_decode_steps_in_the_tail_buffer_hold_what_each_row_alone_holds(specs):
         got, want = together.extract(i).held(), row.extract(0).held()
         for g, w in zip(got, want, strict=True):
             assert g.shape == w.shape and mx.array_equal(g, w).item()
-    if attention._native() and isinstance(kk, PagedSplitKV):
-        q = arr(3, 6, 1, D).astype(mx.float32)
-        got = attention.paged_split_attention(q, kk, vv, D**-0.5, None, None)
-        want = attention.split_rows_attention(q, kk.rows(), vv.rows(), D**-0.5)
-        assert mx.abs(got - want).max().item() < 1e-5
+    same_attention(kk, vv)
 
 
 def test_the_native_kernel_reads_bfloat16_rows():

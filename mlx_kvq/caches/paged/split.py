@@ -340,7 +340,12 @@ class KVQPagedSplitCache(PagedBatch):
         """The rows as they are held (`PagedSplitKV`): the pool, the tables,
         each row's exact sinks and tail; laid out per row only if asked."""
         st = self.pool.storage
-        if st.keys is None:  # no block yet: every row is its tail
+        bk, bv = self.buffer
+        if st.keys is not None:
+            pool_k, pool_v = st.keys, st.values
+        elif bk is not None:  # no block yet: every row is its tail
+            pool_k, pool_v = st.no_blocks(bk.shape[1], bk.shape[3], bv.shape[3], bk.dtype)
+        else:
             return self._view(ends)
         blocks = tuple(len(t.ids) for t in self.tables)
         tables = np.zeros((len(blocks), max((1, *blocks))), dtype=np.int32)
@@ -364,7 +369,7 @@ class KVQPagedSplitCache(PagedBatch):
                 self.buffer[side], lambda: per_row()[side],
             )  # fmt: skip
 
-        return view(0, st.keys), view(1, st.values)
+        return view(0, pool_k), view(1, pool_v)
 
     def _view(self, ends: list[int]) -> tuple[SplitRows, SplitRows]:
         ks, vs, heads = [], [], []

@@ -203,6 +203,7 @@ class SplitBlockStorage:
         self.sinks: dict[int, tuple[mx.array, mx.array]] = {}
         self.blocks = 0
         self._block_bytes = 0
+        self._none = None  # `no_blocks`, made once
 
     @property
     def nbytes(self) -> int:
@@ -236,6 +237,18 @@ class SplitBlockStorage:
         else:
             key_store = self._tokens(keys, k, sd)
         return key_store, self._tokens(values, self.value_spec, sd)
+
+    def no_blocks(self, heads: int, key_dim: int, value_dim: int, dtype: mx.Dtype):
+        """Stores of no block, shaped as this layer's blocks of `dtype` exact
+        tokens: attention reads rows that hold only exact tokens through them."""
+        key = (heads, key_dim, value_dim, dtype)
+        if self._none is None or self._none[0] != key:
+            shape = (1, heads, self.block_size)
+            k, v = self.encode(
+                mx.zeros((*shape, key_dim), dtype), mx.zeros((*shape, value_dim), dtype)
+            )
+            self._none = (key, k.map(lambda a: a[:0]), v.map(lambda a: a[:0]))
+        return self._none[1], self._none[2]
 
     @staticmethod
     def _tokens(x: mx.array, spec: QuantSpec, sd: mx.Dtype) -> Store:
