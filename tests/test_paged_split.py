@@ -29,9 +29,10 @@ from mlx_kvq.caches import (
     unpage_caches,
 )
 from mlx_kvq.caches.paged import BlockPool, SplitBlockStorage, exact_tokens_held
-from mlx_kvq.commands import build_parser
+from mlx_kvq.commands import build_parser, main
 from mlx_kvq.commands.serve import engine_options
-from mlx_kvq.config import AUTO_BLOCK_SIZE, KVConfig, QuantSpec
+from mlx_kvq.config import AUTO_BLOCK_SIZE, KVConfig, QuantSpec, UnsupportedKVConfig
+from mlx_kvq.defaults import DEFAULT_FULL_KV_CONFIG
 from mlx_kvq.engine import Engine, EngineOptions, GenerationRequest, SamplingParams
 from mlx_kvq.engine.runner import choose_layout
 from mlx_kvq.generate import KV_KEYS, get_plan
@@ -225,6 +226,27 @@ def test_the_layout_pages_split_full_layers_and_says_why_the_others_not(tmp_path
     layout = choose_layout(plan, 16)
     assert not layout.paged
     assert "--kv-block-size 16 is not a multiple of --kv-key-group-size 32: " in layout.description
+
+
+def test_with_the_disk_tier_split_layers_keep_padded_rows(tmp_path, capsys):
+    """The disk tier keeps no split-layout layer in blocks: with
+    `--prompt-cache-dir` the plan's own block size becomes padded rows (and
+    says why), an explicit block size that would page one is refused at
+    startup, and settings without split layers page as before."""
+    path = save_tiny_model(tmp_path / "m", "llama")
+    model, _ = load(str(path))
+    split = plan_kv(model, DEFAULT_FULL_KV_CONFIG, batch=True)
+    assert choose_layout(split, AUTO_BLOCK_SIZE).paged
+    layout = choose_layout(split, AUTO_BLOCK_SIZE, on_disk=True)
+    assert layout.block_size is None and not layout.paged
+    assert "the disk tier (--prompt-cache-dir)" in layout.description
+    with pytest.raises(UnsupportedKVConfig, match="--kv-block-size 128 pages the split layers"):
+        choose_layout(split, 128, on_disk=True)
+    per_token = plan_kv(model, KVConfig(bits=4), batch=True)
+    assert choose_layout(per_token, AUTO_BLOCK_SIZE, on_disk=True).paged
+    rc = main(["serve", "--model", str(path), "--prompt-cache-dir", str(tmp_path / "d"),
+               "--kv-block-size", "128"])  # fmt: skip
+    assert rc == 2 and "keeps no layer in the paged split layout" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

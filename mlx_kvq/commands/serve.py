@@ -304,7 +304,8 @@ def run(args: argparse.Namespace) -> int:
     gate = args.warmup_gate.replace("{rank}", str(launch.rank)) if args.warmup_gate else None
     options = engine_options(args, plan.max_context, gate, plan.max_batch, kv_cache_memory=budget)
     coordinator = launch.coordinator(infos, args.distributed_step_timeout)
-    engine = Engine(model, tokenizer, plan, kv, options, draft=draft, coordinator=coordinator)
+    with launch.refusing():  # e.g. a block size the disk tier cannot keep
+        engine = Engine(model, tokenizer, plan, kv, options, draft=draft, coordinator=coordinator)
     launch.bind(engine, coordinator)
     if not launch.leader:
         return launch.follow(engine, coordinator)

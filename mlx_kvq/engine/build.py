@@ -114,7 +114,7 @@ def build(
     materialize(model)
     if draft is not None:
         materialize(draft.model)
-    layout = choose_layout(plan, o.block_size)
+    layout = choose_layout(plan, o.block_size, on_disk=o.disk is not None)
     log.info("KV layout of the batch: %s", layout.description)
     ledger = _ledger(plan, o, layout)
     capacity = None
