@@ -439,6 +439,7 @@ def quantized_attention(
     elif mask is not None and not isinstance(mask, Causal):
         mask = _grouped_mask(mask, n_q, n_rep)
     trim = _by_tokens(keys) and _by_tokens(values)
+    split = isinstance(keys, SplitKV) and isinstance(values, SplitKV)
 
     block = max(1, min(L, _QUERY_BLOCK, _SCORE_BUDGET // max(1, B * n_q * S)))
     blocks = []
@@ -451,6 +452,9 @@ def quantized_attention(
             lo, hi = mb.visible(rows, S) if trim else (0, S)
             if (lo, hi) != (0, S):  # keys no row of the block sees are not read
                 kb, vb, mb = _tokens(keys, lo, hi), _tokens(values, lo, hi), mb.moved(lo)
+            elif split and mb.window == 0:  # nor later ones in the split layout
+                n = keys.reach(mb.visible(rows, S)[1])
+                kb, vb = keys.upto(n), values.upto(n)
         elif mask is not None and rows < L and mask.ndim >= 2 and mask.shape[-2] == L:
             mb = mask[..., start : start + rows, :]
         else:
@@ -624,7 +628,9 @@ def split_rows_attention(
     for b in range(B):
         head, first, end = keys.heads[b], keys.firsts[b], keys.ends[b]
         m = None
-        if L > 1 or (keys.window is not None and first < end - keys.window):
+        if keys.window is None and first == head:  # one run of positions [0, end)
+            m = "causal" if L > 1 else None
+        elif L > 1 or (keys.window is not None and first < end - keys.window):
             pos = keys.positions(b)[None]
             q = mx.arange(end - L, end)[:, None]
             m = pos <= q

@@ -150,6 +150,35 @@ class SplitKV:
 
         return SplitKV(one(self.head), one(self.body), one(self.tail))
 
+    def reach(self, n: int) -> int:
+        """The fewest leading tokens, `n` or more, that `upto` can keep (a
+        per-channel body is cut at whole groups)."""
+        h, b, t = self.lengths
+        if n >= h + b + t:
+            return h + b + t
+        if n <= h:
+            return h
+        body = self.body
+        if n < h + b and isinstance(body, QuantizedKV) and body.per_channel:
+            g = body.group_size
+            return h + min(b, -(-(n - h) // g) * g)
+        return n
+
+    def upto(self, n: int) -> SplitKV:
+        """Its first `n` tokens (`n` from `reach`): what a block of causal
+        queries that sees no later key reads."""
+        h, b, t = self.lengths
+        if n >= h + b + t:
+            return self
+        if n <= h:
+            return SplitKV(self.head, None, None)
+        if n <= h + b:
+            body = self.body
+            m = n - h
+            cut = body.tokens(0, m) if isinstance(body, QuantizedKV) else body[..., :m, :]
+            return SplitKV(self.head, cut, None)
+        return SplitKV(self.head, self.body, self.tail[..., : n - h - b, :])
+
     def dequantize(self, dtype: mx.Dtype) -> mx.array:
         """All tokens as one (B, H, N, D) array of `dtype`."""
         parts = [

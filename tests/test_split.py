@@ -115,6 +115,27 @@ def test_split_attention_equals_attention_on_its_dequantized_kv(monkeypatch, nat
     assert mx.allclose(got, want, atol=2e-4, rtol=1e-3).item()
 
 
+def test_causal_query_blocks_read_no_later_key_group():
+    """A prefill longer than a query block: each block reads the split
+    layout's keys only up to its last row (`SplitKV.reach` / `upto`: a
+    per-channel body cut at whole groups), and gets what attention over the
+    whole dequantized cache gets."""
+    s = SplitStore(_spec(), _spec(per_channel=False))
+    keys, values = _kv(800, 4, dtype=mx.float32)
+    s.append(keys, values)
+    k, v = s.fetch()
+    h, b, t = k.lengths
+    assert (k.reach(1), k.reach(h + 1), k.reach(h + 32), k.reach(h + b + 1)) == (
+        h, h + 32, h + 32, h + b + 1,
+    )  # fmt: skip
+    assert k.upto(h + 32).lengths == (h, 32, 0) and v.upto(h + b + 1).lengths == (h, b, 1)
+    L = 700  # blocks of 512 query rows: the first sees keys [0, 612)
+    q = mx.random.normal((1, 6, L, D), key=mx.random.key(5))
+    got = attention.scaled_dot_product_attention(q, k, v, None, scale=0.125, mask="causal")
+    want = _dense(q, k, v, 0.125, "causal")
+    assert mx.allclose(got, want, atol=2e-4, rtol=1e-3).item()
+
+
 def _tiny(dtype=mx.float16):
     mx.random.seed(0)
     args = gemma3_text.ModelArgs(
