@@ -562,8 +562,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "layers held in blocks, shared prompt prefixes held once; default "
         f"{PAGED_BLOCK_SIZE}, or the least multiple of it that is whole key groups where the "
         "split layout's full-attention layers hold keys per channel: 128 with "
-        "--kv-key-group-size 128); those layers page only when a block is whole key groups; "
-        "0 keeps mlx-lm's left-padded rows",
+        "--kv-key-group-size 128, as in the full-attention default); those layers page only "
+        "when a block is whole key groups, and keep padded rows by default with "
+        "--prompt-cache-dir; 0 keeps mlx-lm's left-padded rows",
     )
     p.add_argument(
         "--max-queued-requests",
