@@ -393,10 +393,10 @@ def test_the_native_kernel_reads_the_blocks_in_place_as_the_rows_laid_out(specs,
 
 @pytest.mark.parametrize("specs", SPLIT_CASES)
 def test_decode_steps_in_the_tail_buffer_hold_what_each_row_alone_holds(specs):
-    """Rows of three lengths decode 90 steps one token at a time (the batch's
-    tail buffer, written for every row at once, grown, its rows flushed at
-    different steps) and hold, token for token, what each row decoded alone
-    holds; attention over the buffer gives what attention over the rows laid
+    """Rows of three lengths decode 90 steps one token at a time, two of
+    every seven taken back (the batch's tail buffer, written for every row at
+    once, grown, its rows flushed at different steps, trimmed in place) and
+    hold, token for token, what each row written and trimmed alone holds; attention over the buffer gives what attention over the rows laid
     out gives."""
     ks, vs = specs
     rng = np.random.default_rng(3)
@@ -426,21 +426,24 @@ def test_decode_steps_in_the_tail_buffer_hold_what_each_row_alone_holds(specs):
         assert mx.abs(got - want).max().item() < 1e-5
 
     together = KVQPagedSplitSequence.merge(sequences(BlockPool(32, ks, vs)))
-    alone = [KVQPagedSplitSequence.merge([s]) for s in sequences(BlockPool(32, ks, vs))]
-    caps = set()
+    alone = sequences(BlockPool(32, ks, vs))  # written and trimmed one by one
+    caps, trimmed = set(), 0
     for step, (k, v) in enumerate(tokens):
         kk, vv = together.update_and_fetch(k, v)
         for i, row in enumerate(alone):
-            row.update_and_fetch(k[i : i + 1], v[i : i + 1])
+            row.write(k[i : i + 1], v[i : i + 1])
         caps.add(together.buffer[0].shape[2])
+        if step % 7 == 6:  # a rejected draft of two tokens
+            assert together.trim(2) == 2 and all(row.trim(2) == 2 for row in alone)
+            trimmed += 2
         if step == 0:  # no row has a block yet: the kernel reads the tails alone
             assert together.pool.storage.keys is None
             same_attention(kk, vv)
     residual = together.pool.storage.residual
     assert max(caps) <= residual + 32 and (len(caps) > 1 or not residual)  # grown, bounded
-    assert together._lengths() == [n + steps for n in lengths]
+    assert together._lengths() == [n + steps - trimmed for n in lengths]
     for i, row in enumerate(alone):
-        got, want = together.extract(i).held(), row.extract(0).held()
+        got, want = together.extract(i).held(), row.held()
         for g, w in zip(got, want, strict=True):
             assert g.shape == w.shape and mx.array_equal(g, w).item()
     same_attention(kk, vv)

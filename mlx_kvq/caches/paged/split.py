@@ -420,6 +420,12 @@ class KVQPagedSplitCache(PagedBatch):
         return True
 
     def trim(self, n: int) -> int:
+        if n > 0 and self._limits is None and min(self.counts, default=0) >= n:
+            # within every row's tail (a rejected draft): the slots are left for
+            # the next writes
+            self.counts = [c - n for c in self.counts]
+            self._sync()
+            return n
         done, tails = [], self.tails
         for i, t in enumerate(self.tables):
             tails[i], d = trim(self.pool, t, tails[i], n)
