@@ -115,7 +115,7 @@ def test_split_attention_equals_attention_on_its_dequantized_kv(monkeypatch, nat
     assert mx.allclose(got, want, atol=2e-4, rtol=1e-3).item()
 
 
-def test_causal_query_blocks_read_no_later_key_group():
+def test_causal_query_blocks_read_no_later_key_group(monkeypatch):
     """A prefill longer than a query block: each block reads the split
     layout's keys only up to its last row (`SplitKV.reach` / `upto`: a
     per-channel body cut at whole groups), and gets what attention over the
@@ -131,7 +131,13 @@ def test_causal_query_blocks_read_no_later_key_group():
     assert k.upto(h + 32).lengths == (h, 32, 0) and v.upto(h + b + 1).lengths == (h, b, 1)
     L = 700  # blocks of 512 query rows: the first sees keys [0, 612)
     q = mx.random.normal((1, 6, L, D), key=mx.random.key(5))
+    read = []
+    attend = attention._attend
+    monkeypatch.setattr(
+        attention, "_attend", lambda q, k, *a: read.append(k.shape[2]) or attend(q, k, *a)
+    )
     got = attention.scaled_dot_product_attention(q, k, v, None, scale=0.125, mask="causal")
+    assert read == [k.reach(100 + 512), 800]  # the first block stops at its last row's group
     want = _dense(q, k, v, 0.125, "causal")
     assert mx.allclose(got, want, atol=2e-4, rtol=1e-3).item()
 
