@@ -550,15 +550,9 @@ def plan_kv(
             notes.append(f"{where}: sink tokens (keep={c.keep}) are not kept in batched windows")
         skipped = slot in cfg.skip_layers
         key_spec, value_spec = cfg.specs(bounded=window is not None)
-        if is_split(key_spec, value_spec) and not (
-            indexer is None and _has_split(kind, name, field)
-        ):
+        why = _no_split(kind, field, model_type, indexer)
+        if is_split(key_spec, value_spec) and why:
             key_spec, value_spec = per_token(key_spec, cfg), per_token(value_spec, cfg)
-            why = (
-                f"{model_type}'s indexer sets its attention caches' `.keys` itself"
-                if indexer is not None
-                else "no split layout is declared for this kind"
-            )
             notes.append(
                 f"{where} ({name}): {why}, so its keys are quantized per token with no "
                 "token kept exact"
@@ -639,10 +633,15 @@ def plan_kv(
     return plan
 
 
-def _has_split(kind, name: str, field: str | None) -> bool:
-    """Whether a cache of this declared kind has a split-layout twin
-    (indexer keys and deepseek_v41's layer fields have none)."""
-    return kind.split is not None and name != "indexer" and field is None
+def _no_split(kind, field: str | None, model_type: str, indexer) -> str | None:
+    """Why a cache of this declared kind takes no split layout (an indexer
+    model sets its attention caches' `.keys` itself; deepseek_v41's layer
+    fields have no split twin), or None."""
+    if indexer is not None:
+        return f"{model_type}'s indexer sets its attention caches' `.keys` itself"
+    if kind.split is None or field is not None:
+        return "no split layout is declared for this kind"
+    return None
 
 
 def per_token(spec: QuantSpec, cfg: KVConfig) -> QuantSpec:

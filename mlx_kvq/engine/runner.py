@@ -93,19 +93,28 @@ def choose_layout(plan: Any, block_size: int | str | None, on_disk: bool = False
     `on_disk` (the prompt cache's disk tier, which keeps no split-layout layer
     in blocks): split layers keep padded rows under the plan's block size,
     and an explicit block size that would page one is refused."""
+    layout = _paged_layout(plan, block_size)
+    paged_split = [
+        p for p in plan.kv_layers
+        if (p.slot, p.member) in layout.paged and is_split(p.key_spec, p.value_spec)
+    ]  # fmt: skip
+    if not (on_disk and paged_split):
+        return layout
+    if block_size != AUTO_BLOCK_SIZE:
+        raise UnsupportedKVConfig(
+            f"--prompt-cache-dir keeps no layer in the paged split layout, and --kv-block-size "
+            f"{block_size} pages the split layers of this setting; leave --kv-block-size out "
+            "(the disk tier then keeps padded rows) or pass --kv-block-size 0"
+        )
+    return Layout(
+        None, frozenset(), "padded rows: the disk tier (--prompt-cache-dir) keeps no layer in "
+        "the paged split layout"
+    )  # fmt: skip
+
+
+def _paged_layout(plan: Any, block_size: int | str | None) -> Layout:
     if block_size is None:
         return Layout(None, frozenset(), "padded rows (paging turned off)")
-    if on_disk and _pages_split(plan, block_size):
-        if block_size != AUTO_BLOCK_SIZE:
-            raise UnsupportedKVConfig(
-                f"--prompt-cache-dir keeps no layer in the paged split layout, and --kv-block-size "
-                f"{block_size} pages the split layers of this setting; leave --kv-block-size out "
-                "(the disk tier then keeps padded rows) or pass --kv-block-size 0"
-            )
-        return Layout(
-            None, frozenset(), "padded rows: the disk tier (--prompt-cache-dir) keeps no layer "
-            "in the paged split layout"
-        )  # fmt: skip
     if block_size == AUTO_BLOCK_SIZE:
         block_size = paged_block_size(
             (p.kind, p.window, p.key_spec, p.value_spec) for p in plan.kv_layers
@@ -135,20 +144,6 @@ def choose_layout(plan: Any, block_size: int | str | None, on_disk: bool = False
         f"paged: {len(probe.pools)} of {kv} KV layers in blocks of {block_size} tokens"
         + ("" if len(probe.pools) == kv else f"; the others keep padded rows{why}"),
     )
-
-
-def _pages_split(plan: Any, block_size: int | str) -> bool:
-    """Whether some layer of `plan` in the split layout would page in blocks
-    of `block_size` (the plan's own for `AUTO_BLOCK_SIZE`)."""
-    if block_size == AUTO_BLOCK_SIZE:
-        block_size = paged_block_size(
-            (p.kind, p.window, p.key_spec, p.value_spec) for p in plan.kv_layers
-        )
-    return any(
-        p.quantized and is_split(p.key_spec, p.value_spec)
-        and split_unpaged(p.kind, p.window, p.key_spec, p.value_spec, block_size) is None
-        for p in plan.kv_layers
-    ) and not paging_refusal(plan.model_type)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ cost. The report it leaves is what `/health` shows.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_kvq.caches import cache_report
+from mlx_kvq.caches import cache_report, exact_tokens_held
 from mlx_kvq.config import KVConfig, UnsupportedKVConfig, is_split
 from mlx_kvq.plan import KV_KINDS
 
@@ -107,15 +108,16 @@ class WarmupSpec:
 
 
 def held_exact(plan: Any, block_size: int | None) -> int:
-    """The most tokens a split-layout layer of `plan` holds before its first
-    quantized token: its sinks, its residual and a flush unit (a key group,
-    or a block of `block_size` in the paged form), less one."""
+    """The most tokens a split-layout layer of `plan` holds exact before its
+    first quantized token (`LayerPlan.exact_rows`; in the paged form of
+    `block_size`-token blocks, `exact_tokens_held` less the slot being
+    written)."""
     most = 0
     for p in plan.kv_layers:
-        k, v = p.key_spec, p.value_spec
-        if p.quantized and is_split(k, v):
-            unit = max(k.flush_unit, v.flush_unit, block_size or 0)
-            most = max(most, max(k.sinks, v.sinks) + max(k.residual, v.residual) + unit - 1)
+        if p.quantized and is_split(p.key_spec, p.value_spec):
+            most = max(most, p.exact_rows(sys.maxsize))
+            if block_size:
+                most = max(most, exact_tokens_held(block_size, p.key_spec, p.value_spec) - 1)
     return most
 
 

@@ -231,25 +231,21 @@ class KVQPagedSplitCache(PagedBatch):
     def _hold(self, tails: list[Tail]) -> None:
         """Hold `tails` (one per row) in a new buffer."""
         self.counts = [_tail_len(x) for x in tails]
-        filled = [x for x in tails if x[0] is not None]
-        if not filled:
-            self.buffer = EMPTY
-            self._sync()
-            return
-        cap = self._capacity(max(self.counts))
-        rows = []
-        for side in (0, 1):
-            like = filled[0][side]
-            H, D = like.shape[1], like.shape[3]
-            parts = []
-            for x, n in zip(tails, self.counts, strict=True):
-                if n == cap:
-                    parts.append(x[side])
-                else:
-                    pad = mx.zeros((1, H, cap - n, D), like.dtype)
-                    parts.append(pad if not n else mx.concatenate([x[side], pad], axis=2))
-            rows.append(mx.concatenate(parts) if len(parts) > 1 else parts[0])
-        self.buffer = (rows[0], rows[1])
+        filled = next((x for x in tails if x[0] is not None), None)
+        self.buffer = EMPTY
+        if filled is not None:
+            cap = self._capacity(max(self.counts))
+
+            def rows(side: int) -> mx.array:
+                H, D, dtype = filled[side].shape[1], filled[side].shape[3], filled[side].dtype
+                parts = [
+                    mx.zeros((1, H, cap, D), dtype) if not n
+                    else mx.pad(x[side], [(0, 0), (0, 0), (0, cap - n), (0, 0)])
+                    for x, n in zip(tails, self.counts, strict=True)
+                ]  # fmt: skip
+                return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+
+            self.buffer = (rows(0), rows(1))
         self._sync()
 
     def _capacity(self, need: int) -> int:
@@ -270,21 +266,18 @@ class KVQPagedSplitCache(PagedBatch):
     def _lengths(self) -> list[int]:
         return [t.length + n for t, n in zip(self.tables, self.counts, strict=True)]
 
-    def _buffer_bytes(self) -> int:
-        return _tail_bytes(self.buffer)
-
     @property
     def nbytes(self) -> int:
         """Bytes of the blocks (and sinks) its rows reference, shared ones
         counted by each holder, and of the tail buffer."""
         held = sum(t.nbytes + _sinks_bytes(self.pool, t) for t in self.tables)
-        return held + self._buffer_bytes()
+        return held + _tail_bytes(self.buffer)
 
     @property
     def own_nbytes(self) -> int:
         """Bytes beside the pool's blocks: the tail buffer, and the sinks of
         each row's first block (shared ones counted by each holder)."""
-        return self._buffer_bytes() + sum(_sinks_bytes(self.pool, t) for t in self.tables)
+        return _tail_bytes(self.buffer) + sum(_sinks_bytes(self.pool, t) for t in self.tables)
 
     def empty(self) -> bool:
         return all(n == 0 for n in self._lengths())
