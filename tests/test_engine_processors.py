@@ -229,3 +229,16 @@ def test_prompt_progress_only_when_asked(engine, loaded):
     assert len(tokens) - 32 < progress[-1][1] <= len(tokens)  # less what the prompt cache held
     assert not [e for e in quiet.wait().events if isinstance(e, PromptProgress)]
     assert quiet.text == asked.text == "Paris is the capital of France."
+
+
+def test_grammars_read_the_vocabulary_when_started_or_first_needed(loaded):
+    """llguidance's reading of the vocabulary holds the GIL, so the server
+    starts it once its HTTP side is built (`start`); starting twice is one
+    read, and a first use starts it if no one has."""
+    _, _, tokenizer = loaded
+    started = processors.Grammars(tokenizer)
+    started.start()
+    started.start()
+    assert started.available and started.check(json_grammar(None)) is None
+    unstarted = processors.Grammars(tokenizer)
+    assert unstarted.check("not a grammar {") is not None

@@ -26,6 +26,21 @@ def test_import_is_light():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_command_line_leaves_the_http_stack_for_the_warm_up():
+    """The commands and their flags load without the HTTP stack: `serve`
+    imports it (fastapi, uvicorn: about 0.5 s here) once its engine has
+    started warming up, so the two overlap."""
+    code = (
+        "import sys\n"
+        "from mlx_kvq.commands import build_parser\n"
+        "args = build_parser().parse_args(['serve', '--model', 'm'])\n"
+        "assert args.shutdown_timeout == 30.0\n"
+        "http = [m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules]\n"
+        "assert not http, http\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_public_names_resolve():
     from mlx_kvq import attention, generate, plan
 

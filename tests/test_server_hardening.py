@@ -153,7 +153,8 @@ def test_a_cross_site_text_plain_post_and_a_foreign_host_are_refused(server):
 
 
 def test_guard_policy():
-    from mlx_kvq.server.guards.browser import GuardPolicy, host_name, is_json, is_loopback
+    from mlx_kvq.server.guards.browser import is_json
+    from mlx_kvq.server.guards.policy import GuardPolicy, host_name, is_loopback
 
     loop = GuardPolicy.for_bind("127.0.0.1", None, [])
     assert loop.host_allowed("127.0.0.1:8080") and loop.host_allowed("[::1]:8080")

@@ -28,7 +28,6 @@ from ..engine.disk import DEFAULT_DISK_BYTES
 from ..sampling_params import DEFAULT_MAX_TOKENS, SamplingError, SamplingParams
 from ..server.settings import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RESPONSE_STORE_BYTES, ToolFormat
 from ..speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
-from .http_process import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -397,6 +396,7 @@ def _positive(kind: type):
 
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_PROMPT_WORKERS = 2

@@ -1,6 +1,6 @@
 """The server process around the HTTP app: start, serve, drain on a signal, exit.
 
-The engine starts (and warms up) as the port opens. The first SIGTERM or
+The engine warms up while the port opens. The first SIGTERM or
 SIGINT drains: new requests get 503 with Retry-After, requests in flight run
 to their end for up to `--shutdown-timeout` seconds, whatever is left is
 answered with an error, then uvicorn closes its connections and the process
@@ -23,28 +23,25 @@ from ..server.app import create_app
 from ..server.guards.connections import ConnectionLimits, guarded_protocol
 from ..server.guards.draining import Lifecycle
 from ..server.settings import ServerSettings
+from .flags import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 log = logging.getLogger("mlx_kvq.server")
-
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def serve_http(engine: Engine, settings: ServerSettings, host: str, port: int, log_level: str,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
                limits: ConnectionLimits = ConnectionLimits()) -> int:  # fmt: skip
-    """Serve `engine` until a signal; 0 after a clean shutdown, 1 if the port never opened."""
+    """Serve `engine` (started: it may still be warming up) until a signal;
+    0 after a clean shutdown, 1 if the port never opened."""
     app = create_app(engine, settings)
-    engine.start()
+    engine.grammars.start()
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), access_log=False,
         timeout_graceful_shutdown=5, http=guarded_protocol(limits),
         timeout_keep_alive=limits.keep_alive_timeout,
     )  # fmt: skip
     server = DrainingServer(config, engine, app.state.lifecycle, shutdown_timeout)
-    try:
-        server.run()
-    finally:
-        engine.stop()
+    server.run()
     return 0 if server.started else 1
 
 

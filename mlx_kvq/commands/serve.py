@@ -3,8 +3,9 @@
 Startup order matters: settings are checked, the model is loaded, the
 per-layer KV plan is built and validated, and the batch path is checked,
 all before the port opens, so an unsupported setting exits with status 2
-and the plan's message. The port then opens with `/health` at 503 while the
-engine warms up (see `http_process`).
+and the plan's message. The engine then starts its warm-up, and the HTTP
+side (imported only now) is built and opens the port beside it, `/health`
+at 503 until the warm-up is done (see `http_process`).
 
 Under `mlx.launch` every rank takes the same steps on its shard
 (`startup.Launch`), and one status exchange stops the whole group (exit 2,
@@ -29,7 +30,6 @@ from .flags import (
     kv_config,
     sampling_defaults,
 )
-from .http_process import serve_http
 from .startup import (
     Launch,
     ModelSource,
@@ -201,7 +201,7 @@ def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> 
 
 def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
     """What the HTTP layer needs besides the engine."""
-    from ..server.guards.browser import GuardPolicy
+    from ..server.guards.policy import GuardPolicy
     from ..server.settings import ServerSettings, ToolFormat
 
     return ServerSettings(
@@ -310,9 +310,15 @@ def run(args: argparse.Namespace) -> int:
     if not launch.leader:
         return launch.follow(engine, coordinator)
     log.info("%s", engine.capacity.line)
-    settings = server_settings(args, source, plan_dict)
-    rc = serve_http(engine, settings, args.host, args.port, args.log_level,
-                    args.shutdown_timeout, connection_limits(args))  # fmt: skip
+    engine.start()  # it warms up while the HTTP side is imported and built
+    try:
+        from .http_process import serve_http
+
+        settings = server_settings(args, source, plan_dict)
+        rc = serve_http(engine, settings, args.host, args.port, args.log_level,
+                        args.shutdown_timeout, connection_limits(args))  # fmt: skip
+    finally:
+        engine.stop()
     return launch.leave(rc)
 
 

@@ -109,7 +109,13 @@ class Grammars:
         self._loading = threading.Thread(
             target=self._load, args=(tokenizer,), name="kvq-grammars", daemon=True
         )
-        self._loading.start()
+        self._start = threading.Lock()
+
+    def start(self) -> None:
+        """Begin reading the vocabulary (once; `wait` begins it if no one has)."""
+        with self._start:
+            if self._loading.ident is None:
+                self._loading.start()
 
     def _load(self, tokenizer: Any) -> None:
         try:
@@ -122,6 +128,7 @@ class Grammars:
 
     def wait(self) -> Grammars:
         """Block until llguidance has read the tokenizer (or failed to)."""
+        self.start()
         self._loading.join()
         return self
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from mlx_kvq.sampling_params import SamplingParams
 
-from .guards.browser import GuardPolicy
+from .guards.policy import GuardPolicy
 
 DEFAULT_MODEL_ALIAS = "default_model"  # what clients written for mlx_lm.server send
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
