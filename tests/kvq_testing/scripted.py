@@ -21,9 +21,10 @@ in the prompt (system prompt, tool definitions and earlier turns included),
 the model answers with that trigger's reply, then its EOS. When several
 triggers occur, the one listed **last** wins: list them in the order the
 conversation brings them up. Without any trigger the model says ``default``.
-Greedy decoding says the script exactly, also with mlx-kvq's 2- to 8-bit KV
-caches (rotated or not; the default K4/V3 included), in batches and past
-wrapped sliding windows::
+Greedy decoding says the script exactly, also with mlx-kvq's KV caches at 2,
+3, 4 and 8 bits (rotated or not; the default K4/V3 included), in batches and
+past wrapped sliding windows. Values at 5 or 6 bits without rotation are not
+stored exactly (see "How it works") and break some scripts::
 
     from kvq_testing.scripted import Reply, save_scripted_model, token_id
 
@@ -154,9 +155,12 @@ the script tells apart (magnitude 8) and small channels (1e-3 of that). One
 full-attention layer has the same query at every position and a key only on
 trigger tokens (score 24 against 0): it attends to the trigger tokens in the
 context and writes each trigger's share of them. Its value rows are
-``c * (e_0 + e_slot)``, which affine quantization at 2 to 8 bits stores
-exactly, rotated or not, 16-bit scales included, so an absent trigger's
-share is exactly 0. Its MLP has two units per (trigger, current token) step
+``c * (e_0 + e_slot)``, which affine quantization at 2, 3, 4 and 8 bits
+stores exactly, rotated or not, 16-bit scales included, so an absent
+trigger's share is exactly 0. At 5 or 6 bits it is not: MLX makes the larger
+edge the bias, a zero sits on the top level, and ``c / 31`` in float16 times
+31 misses ``c`` by about 4e-4 in float32, which the gates read as a
+trigger. Its MLP has two units per (trigger, current token) step
 whose difference saturates at a constant: a step is on when its trigger's
 share is at least 1/128, no later-listed trigger is present and the current
 token is the step's ``after`` token; it writes one channel that the
