@@ -36,11 +36,11 @@ from mlx_kvq.caches import (
     KVQFullCache,
     KVQWindowCache,
 )
-from mlx_kvq.config import QuantSpec
-from mlx_kvq.defaults import DEFAULT_KV_CONFIG
+from mlx_kvq.config import KVConfig, QuantSpec
 from mlx_kvq.quant import QuantizedKV
 
 H, DK, DV = 2, 64, 128
+WINDOWS_8BIT = KVConfig(bits=4, value_bits=3, group_size=64, rotation="hadamard", window_bits=8)
 
 # KVQ_EXAMPLES=500 for a longer bug hunt; the default keeps the suite fast.
 SETTINGS = settings(
@@ -57,10 +57,10 @@ specs = st.sampled_from(
         (QuantSpec(8, 64), QuantSpec(4, 128)),
         (QuantSpec(4, 64, "hadamard"), QuantSpec(6, 64, "hadamard")),
         (QuantSpec(None), QuantSpec(4)),
-        # The default setting's two layouts: bounded layers (windows, chunks)
-        # and the others (KVConfig.window_bits).
-        DEFAULT_KV_CONFIG.specs(bounded=True),
-        DEFAULT_KV_CONFIG.specs(bounded=False),
+        # A per-token setting with wider windows: bounded layers (windows,
+        # chunks) and the others (KVConfig.window_bits).
+        WINDOWS_8BIT.specs(bounded=True),
+        WINDOWS_8BIT.specs(bounded=False),
     ]
 )
 

@@ -33,7 +33,7 @@ from kvq_testing.layer_cache import (
 import mlx_kvq
 from mlx_kvq.config import KVConfig, QuantSpec
 from mlx_kvq.defaults import DEFAULT_KV_CONFIG
-from mlx_kvq.plan import plan_kv
+from mlx_kvq.plan import per_token, plan_kv
 
 dsv41 = pytest.importorskip("mlx_lm.models.deepseek_v41")
 
@@ -57,15 +57,16 @@ def plain(model):
 def _expected_specs(cfg: KVConfig, layer) -> dict[str, QuantSpec]:
     """Each field's storage: one row serves as key and value, so the key
     width; the window takes the bounded layers' width when one is set."""
-    window = replace(cfg.key_spec, bits=cfg.window_bits or cfg.key_spec.bits)
-    return {name: window if name == "window" else cfg.key_spec for name in layer.leaves}
+    key = per_token(cfg.key_spec, cfg)  # these fields have no split form
+    window = replace(key, bits=cfg.window_bits or key.bits)
+    return {name: window if name == "window" else key for name in layer.leaves}
 
 
 @pytest.mark.parametrize("cfg", [KVConfig(bits=8), DEFAULT_KV_CONFIG], ids=["8bit", "default"])
 def test_attending_over_quantized_fields_equals_dequantize_then_attend(model, plain, cfg):
     """The logits equal those of mlx-lm's LayerCache whose fields hold their
     rows quantized and dequantized at write time, at each field's planned
-    width and rotation (the default: 8-bit windows, 4-bit rows, Hadamard)."""
+    width and rotation (the default's widths per token: it has no split form here)."""
     planned = plan_kv(model, cfg).make_cache()
     specs = [_expected_specs(cfg, c) for c in planned]
     assert [{n: leaf.key_spec for n, leaf in c.leaves.items()} for c in planned] == specs

@@ -4,7 +4,8 @@ reasoning, stop strings, penalties, logit_bias and HTML in answers.
 
 Checked here: the greedy output of both architectures (llama, and gemma3_text
 with wrapped sliding windows) is the script, with full-precision caches, with
-mlx-kvq's 4-bit, 8-bit and default (K4/V3, rotated) caches, in batches of
+mlx-kvq's 4-, 5-, 6- and 8-bit caches, the split layout (K6/V5, per-channel
+keys) and the default (K4/V3, rotated) caches, in batches of
 different lengths through mlx-lm's BatchGenerator, past 600 tokens; the
 logits are the designed table; penalties and logit_bias break the scripted
 loop as the docstring says; mlx-lm's tokenizer wrapper recognizes the tool
@@ -128,9 +129,21 @@ def default_setting() -> dict:
     return DEFAULT_KV_CONFIG.as_kwargs()
 
 
+# the split layout with 5-bit values: per-channel keys, raw sinks and residual
+SPLIT_K6V5 = KVConfig(
+    key_bits=6, value_bits=5, group_size=64, key_scales="channel", key_group_size=128,
+    sinks=4, residual=64,
+)  # fmt: skip
+
 SETTINGS = {
     "4bit": lambda: {"kv_bits": 4},
     "8bit": lambda: {"kv_bits": 8},
+    # 5 and 6 bits without rotation: the widths whose 16-bit scales do not
+    # store a row's zeros exactly (an absent trigger's share is read against
+    # REF, which carries the same error)
+    "5bit": lambda: {"kv_bits": 5},
+    "6bit": lambda: {"kv_bits": 6},
+    "split_K6V5": SPLIT_K6V5.as_kwargs,
     "default": default_setting,
 }
 
@@ -425,7 +438,7 @@ def test_same_call_same_files(tmp_path):
         ({"key": "text"}, {}, "list of strings"),
         ({"key": ["\n"]}, {}, "generation prompt ends with"),
         ({"key": Reply(["x"], extra={(EOS, "x"): 1.0})}, {}, "backwards"),
-        ({f"t{i}": ["x"] for i in range(64)}, {}, "at most 63"),
+        ({f"t{i}": ["x"] for i in range(63)}, {}, "at most 62"),
         ({"key": ["x"]}, {"template": "chatml"}, "unknown template"),
         ({"key": ["x"]}, {"arch": "mamba"}, "unknown arch"),
     ],

@@ -21,10 +21,10 @@ in the prompt (system prompt, tool definitions and earlier turns included),
 the model answers with that trigger's reply, then its EOS. When several
 triggers occur, the one listed **last** wins: list them in the order the
 conversation brings them up. Without any trigger the model says ``default``.
-Greedy decoding says the script exactly, also with mlx-kvq's KV caches at 2,
-3, 4 and 8 bits (rotated or not; the default K4/V3 included), in batches and
-past wrapped sliding windows. Values at 5 or 6 bits without rotation are not
-stored exactly (see "How it works") and break some scripts::
+Greedy decoding says the script exactly, also with mlx-kvq's KV caches at
+every width (2, 3, 4, 5, 6 and 8 bits, keys and values alike or not, rotated
+or not, per token or in the split layout; the default K4/V3 included), in
+batches and past wrapped sliding windows::
 
     from kvq_testing.scripted import Reply, save_scripted_model, token_id
 
@@ -138,7 +138,7 @@ markers (mlx-lm looks those up in the vocabulary).
 
 Rules, checked when the model is written (``ValueError`` otherwise): a
 trigger is not a piece of any reply and does not occur in the template's own
-text; at most 63 triggers; pieces and triggers avoid the characters U+00A1 to
+text; at most 62 triggers; pieces and triggers avoid the characters U+00A1 to
 U+0143 (mlx-lm's byte-level streaming detokenizer decodes them as bytes).
 Not checked: at most 100 trigger tokens in one prompt, repeats included (the
 model tells "present" from "absent" by a trigger's share of them, with the
@@ -155,12 +155,22 @@ the script tells apart (magnitude 8) and small channels (1e-3 of that). One
 full-attention layer has the same query at every position and a key only on
 trigger tokens (score 24 against 0): it attends to the trigger tokens in the
 context and writes each trigger's share of them. Its value rows are
-``c * (e_0 + e_slot)``, which affine quantization at 2, 3, 4 and 8 bits
-stores exactly, rotated or not, 16-bit scales included, so an absent
-trigger's share is exactly 0. At 5 or 6 bits it is not: MLX makes the larger
-edge the bias, a zero sits on the top level, and ``c / 31`` in float16 times
-31 misses ``c`` by about 4e-4 in float32, which the gates read as a
-trigger. Its MLP has two units per (trigger, current token) step
+``c * (e_0 + e_slot)`` on trigger tokens (slots 1 to 62) and 0 elsewhere;
+channel 63 is 0 in every row, and a trigger's share is read as its slot
+minus channel 63, which makes an absent trigger's share exactly 0 (to
+float32 rounding, about 1e-7 of the share) however the cache stores values.
+Affine quantization keeps a row's larger edge (``c``, the bias) exactly and
+puts its zeros on one level; with 16-bit scales that level misses 0 at some
+widths (at 5 bits ``c / 31`` in float16 times 31 misses ``c`` by about 4e-4,
+which the gates would read as a trigger), but it is the same number in every
+zero channel of the row, slot and channel 63 alike, so the difference is 0.
+Rotated (Hadamard over the head), a row is ``c / 4`` on the 32 channels where
+its slot's Hadamard column is +1 and 0 on the others, and the zero level's
+error rotates back onto channel 0 and the slot only. An empty row (a
+non-trigger token) is stored exactly. (``c`` = 1785/1024 also makes
+``c / (2**bits - 1)`` a short float16 at 2, 3, 4 and 8 bits, so there
+every level is exact, present shares too; at 5 and 6 bits a present share is
+off by about 2e-4.) Its MLP has two units per (trigger, current token) step
 whose difference saturates at a constant: a step is on when its trigger's
 share is at least 1/128, no later-listed trigger is present and the current
 token is the step's ``after`` token; it writes one channel that the
@@ -190,14 +200,17 @@ ARCHS = ("llama", "hybrid")
 DEFAULT_REPLY = ("Nothing is scripted for this.",)
 SCRIPT_FILE = "scripted.json"
 
-MAX_TRIGGERS = 63  # value slots 1..63 of a 64-wide head
+MAX_TRIGGERS = 62  # value slots 1..62 of a 64-wide head (0: the share sum, 63: REF)
 SHARE_THRESHOLD = 1 / 128  # a trigger with at least this share of the trigger tokens is present
 HEAD_DIM = 64
 SCORE = 24.0  # attention score of a trigger token (others: 0)
 QK_DIM = HEAD_DIM // 2 - 1  # the lowest-frequency RoPE pair: the angle stays near 0
+REF = HEAD_DIM - 1  # value channel that is 0 in every row: shares are read against it
 # Value rows are V_MAG * (e_0 + e_slot): two levels, 0 and V_MAG (0 and V_MAG/4
-# rotated), and V_MAG / (2**bits - 1) is a float16 with few mantissa bits for
-# 2, 3, 4 and 8 bits (1785 = 7 * 255), so the 16-bit scales store them exactly.
+# rotated). The zeros of a row dequantize to one number, in the slots and REF
+# alike, so a slot minus REF is exactly 0 for an absent trigger at any width.
+# V_MAG / (2**bits - 1) is also a float16 with few mantissa bits for 2, 3, 4
+# and 8 bits (1785 = 7 * 255): there the 16-bit scales store both levels exactly.
 V_MAG = 1785 / 1024
 E = 8.0  # magnitude of the one-hot in the residual stream (RMS-norm eps negligible)
 SMALL = 1e-3  # magnitude of the other channels, relative to E
@@ -735,10 +748,11 @@ def _weights(r: _Resolved, arch: str, window: int) -> tuple[dict[str, np.ndarray
             q[h * HEAD_DIM + QK_DIM, :n1] = qk / u
         for t, tid in enumerate(r.triggers):
             k[QK_DIM, lay.dim(tid)] = qk / u
-            v[0, lay.dim(tid)] = v[1 + t, lay.dim(tid)] = V_MAG / u  # exact when quantized
+            v[0, lay.dim(tid)] = v[1 + t, lay.dim(tid)] = V_MAG / u  # two levels (see REF)
         w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"] = q, k
         w["self_attn.v_proj.weight"] = v
-        # Output: the share sum to BAL, each trigger's share to TR_t.
+        # Output: the share sum to BAL, each trigger's share (its slot minus REF,
+        # the same quantization error cancelling) to TR_t.
         o = zeros(H, n_heads * HEAD_DIM)
         if hybrid:  # post_attention_layernorm normalizes: BAL dominates, then rescale
             bal, tr = E / V_MAG, SMALL * E / V_MAG
@@ -753,6 +767,7 @@ def _weights(r: _Resolved, arch: str, window: int) -> tuple[dict[str, np.ndarray
             o[lay.bal, h * HEAD_DIM] = bal / n_heads
             for t in range(nT):
                 o[lay.tr(t), h * HEAD_DIM + 1 + t] = tr / n_heads
+                o[lay.tr(t), h * HEAD_DIM + REF] = -tr / n_heads
         w["self_attn.o_proj.weight"] = o
 
         # MLP: two units per step; (act(g) - act(g - K)) * [current token] = K.
