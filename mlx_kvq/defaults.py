@@ -4,9 +4,10 @@ The server and the CLI take their default quantized-KV setting from here,
 and it depends on the model's layout, decided at load from its declared
 cache kinds (`plan.has_bounded_layers`):
 - `DEFAULT_KV_CONFIG`, for a model with a bounded layer (sliding windows,
-  chunked attention, `--max-kv-size`): keys 4 bits, values 3 bits, Hadamard
-  rotation, group size 64, and 8 bits for keys and values of bounded layers
-  (4.5 bits per element at 2,048 tokens, the bytes of mlx-lm's `--kv-bits 4`);
+  chunked attention, `--max-kv-size`): the full-attention default below on
+  its full-attention layers, and 8 bits per token (Hadamard rotation, groups
+  of 64) for keys and values of its bounded layers, whose bytes then stay
+  flat at the window (6.00 bits per element at 8,192 tokens on Gemma 3 270M);
 - `DEFAULT_FULL_KV_CONFIG`, for a model whose layers all hold the whole
   context: the split layout, keys 5 bits per channel in groups of 128 tokens,
   values 4 bits per token in groups of 64 channels, Hadamard rotation, the
@@ -27,19 +28,15 @@ The full-attention default is the rule's pick on the real SmolLM2-135M
 top-1, mean KL 4.5e-4 / 3.9e-4, where the per-token K6/V5 + rotation it
 replaced kept 94.97% at 6.0 bits and mlx-lm's `--kv-bits 4` 74.9% / 81.1%.
 
-The hybrid default is still the rule's pick on the hybrid demo model
-(`demo:gemma`, 8 windows x 512 tokens per text: mean KL 1.4e-4 / 8.1e-5,
-top-1 99.5% / 99.0%). On the real Gemma 3 270M it keeps 86.3% / 84.8% at
-5.07 bits; the rule there picks K6/V5 split with the last 64 exact (6.60
-bits: 98.39% / 98.73%), which is not switched yet: a split window's bytes are
-a bounded sawtooth rather than flat, and the scripted test models hold 9 of
-11 scripts under it (docs/quality.md).
-
-Why the bounded layers get 8 bits: on the hybrid demo model they carry
-nearly all of the quantization error (4-bit everywhere: KL 3.4e-3 / 3.9e-3;
-the same with 8-bit windows: 1.1e-4 / 5.6e-5), while their bytes stop
-growing with the context: 8 bits there cost 0.44 bits per element at 2,048
-tokens, under 0.03 at 32k.
+The hybrid default is the rule's pick on the real Gemma 3 270M
+(`python scripts/real_frontier.py --choose docs/quality_real/gemma3_*.json`,
+the same texts): 98.73% / 98.78% top-1, mean KL 6.6e-4 / 7.0e-4 at 6.00
+bits, where the K4/V3 + rotation per token (8-bit windows) it replaced kept
+86.3% / 84.8% at 5.07 bits: on real weights the loss was in the
+full-attention layers' per-token keys. The windows keep 8 bits per token:
+at 4 bits they lose the most (71-72% with split full-attention layers), and
+a window in the split layout holds a sawtooth of 1.34-1.77x its window's
+bytes (`scripts/window_bytes.py`) where a per-token one holds a flat line.
 
 Explicit bit flags (`--kv-bits 4`) mean what they mean in mlx-lm, plain
 affine quantization at that width on every layer, with no rotation and no
@@ -57,13 +54,11 @@ from typing import NamedTuple
 
 from .config import KVConfig
 
-DEFAULT_KV_CONFIG = KVConfig(
-    bits=4, value_bits=3, group_size=64, rotation="hadamard", window_bits=8
-)
 DEFAULT_FULL_KV_CONFIG = KVConfig(
     key_bits=5, value_bits=4, group_size=64, rotation="hadamard", key_scales="channel",
     key_group_size=128, sinks=4, residual=128,
 )  # fmt: skip
+DEFAULT_KV_CONFIG = DEFAULT_FULL_KV_CONFIG.with_(window_bits=8)
 
 
 def default_kv_config(bounded: bool) -> KVConfig:

@@ -288,8 +288,8 @@ def default_row(all_rows: list[dict], model: str = "gemma") -> dict:
 
 def demo_row(data: dict) -> dict:
     """The setting the rule picks on a demo model's run: the demo blocks'
-    fast regression check (the package's default where the default is chosen
-    on the demo model, the hybrid one)."""
+    fast regression check (the package's defaults are chosen on the real
+    models: scripts/real_frontier.py)."""
     return choose_default(rows(data))
 
 

@@ -301,5 +301,7 @@ def test_budget_section_rows(quick_run):
         assert _stat_ok(r["tokens_per_s"]) and _stat_ok(r["decode_tokens_per_s"])
         assert r["overruns"] == 0 and 0 < r["peak_held"] <= section["budget"]
     assert rows["unquantized"]["fits"] == quick().budget_unquantized
-    assert rows["default"]["fits"] >= 3 * rows["unquantized"]["fits"]
+    # 600-token sequences: past the default's exact sinks and tail (its 3x the
+    # unquantized sequences at 1,000 tokens: test_budget.py)
+    assert rows["default"]["fits"] >= 2 * rows["unquantized"]["fits"]
     assert "## Serving under a KV memory budget" in (out / "bench.md").read_text()

@@ -20,7 +20,7 @@ import time
 
 import mlx.core as mx
 import pytest
-from kvq_testing.budget import spy_checks
+from kvq_testing.budget import WINDOWS_8BIT, spy_checks
 from kvq_testing.events import Collector
 from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
@@ -56,7 +56,7 @@ from mlx_kvq.plan import plan_kv
 
 WAIT_S = 300
 SETTINGS = {
-    "default": DEFAULT_KV_CONFIG,
+    "K4/V3, windows 8-bit": WINDOWS_8BIT,
     "4-bit": KVConfig(bits=4),
     "8-bit": KVConfig(bits=8),
     "unquantized": KVConfig(),
@@ -112,6 +112,7 @@ SPLIT_SETTINGS = {
         bits=4, value_bits=3, key_scales="channel", key_group_size=32, sinks=4, residual=8
     ),
     "split, keys per token": KVConfig(bits=4, sinks=2, residual=5),
+    "default": DEFAULT_KV_CONFIG,
 }
 
 
@@ -143,13 +144,13 @@ def test_prices_follow_the_setting(loaded):
     }
     # head dim 64, 2 KV heads, float32: raw 2*64*2*4 = 1024 B/token; K4/V3 with
     # 16-bit scale and bias per 64 elements: 2*64*(0.5 + 0.375 + 2*4/64) = 128;
-    # the default's sliding windows are 8-bit: 2*64*(1 + 1 + 2*4/64) = 272
+    # its sliding windows are 8-bit: 2*64*(1 + 1 + 2*4/64) = 272
     assert [s.stored for s in per["unquantized"].cost.slots] == [1024] * 4
-    assert [s.stored for s in per["default"].cost.slots] == [272, 128, 272, 128]
+    assert [s.stored for s in per["K4/V3, windows 8-bit"].cost.slots] == [272, 128, 272, 128]
     assert [s.stored for s in per["4-bit"].cost.slots] == [144] * 4
     assert [s.stored for s in per["8-bit"].cost.slots] == [272] * 4
-    assert per["default"].unquantized.slots == per["unquantized"].cost.slots
-    assert [s.window for s in per["default"].cost.slots] == [32, None, 32, None]
+    assert per["K4/V3, windows 8-bit"].unquantized.slots == per["unquantized"].cost.slots
+    assert [s.window for s in per["K4/V3, windows 8-bit"].cost.slots] == [32, None, 32, None]
 
 
 def _cost(prompt_rows=2, step=16) -> CostModel:
@@ -250,8 +251,9 @@ def _engine(model, tokenizer, kv, budget, **options) -> Engine:
 
 @pytest.mark.parametrize(
     ("name", "budget"),
-    [("default", 700_000), ("4-bit from token 40", 2_500_000),
-     ("split, keys per channel", 900_000), ("split, keys per token", 1_200_000)],
+    [("K4/V3, windows 8-bit", 700_000), ("4-bit from token 40", 2_500_000),
+     ("split, keys per channel", 900_000), ("split, keys per token", 1_200_000),
+     ("default", 1_500_000)],
 )  # fmt: skip
 def test_engine_never_holds_more_than_the_budget_or_the_bound(loaded, name, budget, monkeypatch):
     """Mixed lengths, 16-token prefill chunks, prompt-cache hits and cancels
@@ -312,21 +314,23 @@ def test_live_bytes_are_the_cache_report(loaded, monkeypatch):
 
 
 def test_default_setting_runs_3x_the_sequences_of_unquantized(loaded):
-    """One budget, the same flood: sequences decoded together at once."""
+    """One budget, the same flood of 1,000-token conversations: sequences
+    decoded together at once (the default keeps 4 sinks and its newest 128
+    tokens exact, which short conversations do not amortize)."""
     model, tokenizer = loaded
-    budget = 2_000_000
+    budget = 20_000_000
     at_once = {}
-    for name in ("unquantized", "default"):
-        engine = _engine(model, tokenizer, SETTINGS[name], budget, prompt_cache_size=0)
+    for name, kv in (("unquantized", KVConfig()), ("default", DEFAULT_KV_CONFIG)):
+        engine = _engine(model, tokenizer, kv, budget, prompt_cache_size=0)
         try:
-            requests = [([1 + (i * 7 + j) % 300 for j in range(60)], 16) for i in range(12)]
+            requests = [([1 + (i * 7 + j) % 300 for j in range(1000)], 16) for i in range(12)]
             sinks = _flood(engine, requests)
             assert all(isinstance(s.end, FinishEvent) for s in sinks)
             at_once[name] = engine.metrics.snapshot().max_batch_size
             assert engine.budget.overruns == 0 and engine.budget.peak_held <= budget
             # as many as decode together within the budget, no more
             cost = engine.budget.share.cost
-            assert cost.bound([Shape(60, 76)] * at_once[name], []) <= budget
+            assert cost.bound([Shape(1000, 1016)] * at_once[name], []) <= budget
         finally:
             engine.stop()
     print(f"under {budget} bytes: sequences at once {at_once}")
@@ -339,7 +343,7 @@ def test_only_a_prompt_that_never_fits_is_refused_at_once(loaded):
     """max_tokens reserves nothing: a prompt that cannot fit even alone gets a
     400 at once, a short prompt with a huge max_tokens is served."""
     model, tokenizer = loaded
-    engine = _engine(model, tokenizer, DEFAULT_KV_CONFIG, 400_000, max_queued_requests=2)
+    engine = _engine(model, tokenizer, WINDOWS_8BIT, 400_000, max_queued_requests=2)
     try:
         longest = engine.budget.longest_prompt(4096, 32)
         sink = Sink()
@@ -370,7 +374,7 @@ def test_one_long_sequence_under_a_small_budget_ends_with_length(loaded):
     holding more than the budget."""
     model, tokenizer = loaded
     budget = 150_000
-    engine = _engine(model, tokenizer, DEFAULT_KV_CONFIG, budget)
+    engine = _engine(model, tokenizer, WINDOWS_8BIT, budget)
     try:
         cost = engine.budget.share.cost
         most = max(n for n in range(1, 2000) if cost.bound([Shape(20, n)], []) <= budget)
@@ -396,9 +400,9 @@ class TwoRanks(LocalCoordinator):
 def test_a_group_admits_what_every_rank_holds(loaded):
     model, tokenizer = loaded
     budget = 1_200_000
-    plan = plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
+    plan = plan_kv(model, WINDOWS_8BIT, batch=True)
     options = EngineOptions(kv_cache_memory=budget, max_context=plan.max_context)
-    engine = Engine(model, tokenizer, plan, DEFAULT_KV_CONFIG, options, coordinator=TwoRanks())
+    engine = Engine(model, tokenizer, plan, WINDOWS_8BIT, options, coordinator=TwoRanks())
     engine.start()
     try:
         assert engine.readiness.ready_event.wait(WAIT_S) and engine.readiness.ready
@@ -438,7 +442,7 @@ def full_only(tmp_path_factory):
 
 def test_a_reused_prefix_holds_only_what_it_covers(full_only):
     model, _ = full_only
-    plan = plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
+    plan = plan_kv(model, WINDOWS_8BIT, batch=True)
     per_token = sum(s.stored for s in share_for(plan, 1, prefill_step=64, prompt_rows=1).cost.slots)
     tokens = [1 + i % 300 for i in range(300)]
     cache = plan.make_cache()
@@ -459,7 +463,7 @@ def test_prompt_cache_reuse_and_insertions_stay_within_the_budget(full_only, mon
     model, tokenizer = full_only
     budget = 360_000
     measured = spy_checks(monkeypatch)
-    engine = _engine(model, tokenizer, DEFAULT_KV_CONFIG, budget, prefill_step_size=64)
+    engine = _engine(model, tokenizer, WINDOWS_8BIT, budget, prefill_step_size=64)
     try:
         long = [1 + (i * 7) % 300 for i in range(600)]
         other = [2 + (i * 11) % 293 for i in range(800)]  # with the long turn: over budget

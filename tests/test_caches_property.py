@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from kvq_testing.budget import WINDOWS_8BIT
 from kvq_testing.helpers import (
     as_bool,
     assert_close_dequantized,
@@ -36,11 +37,10 @@ from mlx_kvq.caches import (
     KVQFullCache,
     KVQWindowCache,
 )
-from mlx_kvq.config import KVConfig, QuantSpec
+from mlx_kvq.config import QuantSpec
 from mlx_kvq.quant import QuantizedKV
 
 H, DK, DV = 2, 64, 128
-WINDOWS_8BIT = KVConfig(bits=4, value_bits=3, group_size=64, rotation="hadamard", window_bits=8)
 
 # KVQ_EXAMPLES=500 for a longer bug hunt; the default keeps the suite fast.
 SETTINGS = settings(

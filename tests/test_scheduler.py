@@ -16,12 +16,11 @@ import logging
 import re
 
 import pytest
-from kvq_testing.budget import spy_checks
+from kvq_testing.budget import WINDOWS_8BIT, spy_checks
 from kvq_testing.events import Collector
 from kvq_testing.scripted import save_scripted_model
 from mlx_lm import load
 
-from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 from mlx_kvq.engine import (
     BudgetShare,
     Engine,
@@ -55,7 +54,7 @@ def scripted(tmp_path_factory):
         tmp_path_factory.mktemp("sched") / "m", {"story": PIECES}, template="plain", arch="hybrid"
     )
     model, tokenizer = load(str(path))
-    return model, tokenizer, plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
+    return model, tokenizer, plan_kv(model, WINDOWS_8BIT, batch=True)
 
 
 def chat(tokenizer, i: int) -> list[int]:
@@ -65,7 +64,7 @@ def chat(tokenizer, i: int) -> list[int]:
 
 
 def start(model, tokenizer, plan, budget, **options) -> Engine:
-    engine = Engine(model, tokenizer, plan, DEFAULT_KV_CONFIG, EngineOptions(
+    engine = Engine(model, tokenizer, plan, WINDOWS_8BIT, EngineOptions(
         kv_cache_memory=budget, max_context=plan.max_context, **options))  # fmt: skip
     engine.start()
     assert engine.readiness.ready_event.wait(WAIT_S) and engine.readiness.ready
@@ -180,7 +179,7 @@ def test_a_group_admits_and_preempts_by_its_smallest_rank(scripted):
     prompts = [chat(tokenizer, i) for i in range(N)]
     p = max(len(x) for x in prompts)
     budget = holds(plan, N, p, p + len(PIECES) + 2, N, step=8, block_size=None)
-    engine = Engine(model, tokenizer, plan, DEFAULT_KV_CONFIG, EngineOptions(
+    engine = Engine(model, tokenizer, plan, WINDOWS_8BIT, EngineOptions(
         kv_cache_memory=budget, max_context=plan.max_context, prefill_step_size=8,
         prompt_cache_size=N, block_size=None), coordinator=TwoRanks())  # fmt: skip
     engine.start()

@@ -22,14 +22,17 @@ from mlx_lm import load
 
 from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 from mlx_kvq.engine import EngineOptions
-from mlx_kvq.engine.budget import Shape, share_for
+from mlx_kvq.engine.budget import Shape, format_bytes, share_for
 from mlx_kvq.engine.runner import choose_layout
 from mlx_kvq.plan import plan_kv
 
-BUDGET = 400_000  # bytes: three of the requests below at the default KV setting
+BUDGET = (
+    1_200_000  # bytes: two of the requests below at the default KV setting, three as they start
+)
 QUEUE = 6
 PROMPT, MAX_TOKENS = 40, 150
 WAIT_S = 300
+SHOWN = format_bytes(BUDGET)  # as the capacity line and the errors write it
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,7 @@ def test_flood_under_a_small_budget(model_dir, tmp_path):
             "--warmup-gate", str(gate))  # fmt: skip
     with ServerProcess(model_dir, *args) as server:
         server.wait_for("/health", 503)
-        assert "KV budget 390.6 KiB" in server.log()  # the capacity line, at startup
+        assert f"KV budget {SHOWN}" in server.log()  # the capacity line, at startup
 
         answers: dict[int, httpx.Response] = {}
 
@@ -98,12 +101,12 @@ def test_flood_under_a_small_budget(model_dir, tmp_path):
         assert "--max-queued-requests" in full.json()["error"]["message"]
 
         t0 = time.monotonic()
-        huge = completion(server, [1 + j % 300 for j in range(1000)], 10)
+        huge = completion(server, [1 + j % 300 for j in range(2000)], 10)
         assert huge.status_code == 400, huge.text
         assert time.monotonic() - t0 < 30  # answered while the queue waits
         error = huge.json()["error"]
         assert error["code"] == "kv_budget_exceeded"
-        for words in ("prompt needs", "KV budget of 390.6 KiB", "--kv-cache-memory",
+        for words in ("prompt needs", f"KV budget of {SHOWN}", "--kv-cache-memory",
                       "shorten the prompt"):  # fmt: skip
             assert words in error["message"], error["message"]
 
@@ -150,7 +153,7 @@ def test_flood_under_a_small_budget(model_dir, tmp_path):
         assert health["sequences"] == cost.sequences(BUDGET, Shape(4095, 4096))
         unquantized = cost.unquantized().sequences(BUDGET, Shape(4095, 4096))
         assert health["sequences_unquantized"] == unquantized
-        assert health["line"].startswith("KV budget 390.6 KiB: ")
+        assert health["line"].startswith(f"KV budget {SHOWN}: ")
         status = httpx.get(server.url + "/status", timeout=10).json()["budget"]
         assert status["bytes"] == BUDGET and status["capacity"] == health["line"]
         assert status["reserved"] == status["live"] == status["admitted"] == status["waiting"] == 0

@@ -135,7 +135,7 @@ def quick() -> BenchSettings:
         serving_repeats=1,
         budget_requests=6,
         budget_unquantized=1,
-        budget_prompt=40,
+        budget_prompt=600,  # past what the split layout keeps exact
         budget_tokens=4,
         budget_repeats=1,
     )
