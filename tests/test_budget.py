@@ -150,6 +150,9 @@ def test_prices_follow_the_setting(loaded):
     assert [s.stored for s in per["4-bit"].cost.slots] == [144] * 4
     assert [s.stored for s in per["8-bit"].cost.slots] == [272] * 4
     assert per["K4/V3, windows 8-bit"].unquantized.slots == per["unquantized"].cost.slots
+    for kv in SPLIT_SETTINGS.values():  # unquantized, a row holds nothing exact besides
+        split = share_for(plan_kv(model, kv, batch=True), 1, prefill_step=64, prompt_rows=4)
+        assert split.unquantized.slots == per["unquantized"].cost.slots
     assert [s.window for s in per["K4/V3, windows 8-bit"].cost.slots] == [32, None, 32, None]
 
 

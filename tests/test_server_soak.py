@@ -17,8 +17,8 @@ from kvq_testing.tiny import save_tiny_model
 
 REQUESTS = 120
 TURNS = 5  # turns per conversation
-# bytes: a few conversations' worth, so eviction is exercised (an entry of the
-# default's split layout keeps its exact tail's whole buffer: ~270 KB here)
+# bytes: a few conversations' worth, so eviction is exercised (the default's
+# split layout keeps a short chat's tokens in 16 bits: ~270 KB an entry here)
 CAP = 900_000
 MEMORY_SLACK = 4 * 2**20  # allocator granularity and small transient buffers
 WAIT_S = 60

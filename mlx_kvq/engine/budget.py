@@ -275,7 +275,9 @@ class CostModel:
         return int(self.prompt_rows + left // max(decoding, 1))
 
     def unquantized(self) -> CostModel:
-        slots = tuple(replace(s, stored=s.raw) for s in self.slots)
+        """The same slots unquantized: raw bytes per token, and none of what a
+        split-layout row holds exact beside its tokens."""
+        slots = tuple(replace(s, stored=s.raw, exact_blocks=0, extra=0) for s in self.slots)
         return CostModel(slots, self.state_bytes, 0, self.prefill_step, self.prompt_rows,
                          "unquantized", self.block_size)  # fmt: skip
 
