@@ -7,7 +7,8 @@ three prompts of different lengths (windows wrap) twice: with the planned
 caches in left-padded rows, and with the same caches paged in 4-token blocks
 where the registry pages their kind. The greedy tokens must match and the
 log-probabilities agree to float rounding; an architecture whose kinds do not
-page must say so in its layout, and then runs padded.
+page must say so in its layout, and then runs padded. The same again at the
+default setting of each model's layout, in its own block size.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from mlx_lm.generate import BatchGenerator
 
 from mlx_kvq.caches import Pages, page_caches
 from mlx_kvq.config import KVConfig, UnsupportedKVConfig
-from mlx_kvq.engine import check_batch_path
+from mlx_kvq.defaults import default_kv_config
+from mlx_kvq.engine import EngineOptions, check_batch_path
 from mlx_kvq.engine.runner import choose_layout
-from mlx_kvq.plan import plan_kv
+from mlx_kvq.plan import has_bounded_layers, plan_kv
 
 NAMES = [
     "llama", "qwen3", "gemma3_text", "gpt_oss", "llama4", "gemma3n", "gemma4_text",
@@ -73,3 +75,34 @@ def test_paged_decode_matches_padded(name):
     assert got_tokens == want_tokens
     for g, w in zip(got_lp, want_lp, strict=True):
         np.testing.assert_allclose(g, w, atol=2e-3)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_defaults_paged_decode_matches_padded(name):
+    """The default setting of the model's layout (the split layout on its
+    full-attention layers, in blocks of whole key groups), with prompts past
+    its exact tail. Without sinks, paged blocks and padded rows quantize the
+    same groups (with sinks the paged body starts its groups at position 0:
+    `caches/paged/split.py`), so the logits agree as in the test above."""
+    model = archs.build_model(name)
+    kv = default_kv_config(has_bounded_layers(model)).with_(sinks=0)
+    plan = plan_kv(model, kv, batch=True)
+    if plan.max_batch is not None:
+        pytest.skip(f"{name} serves one sequence at a time")
+    try:
+        check_batch_path(plan.make_cache, kv)
+    except UnsupportedKVConfig as e:
+        pytest.skip(str(e))
+    layout = choose_layout(plan, EngineOptions().block_size)
+    if layout.block_size is None:
+        assert layout.description.startswith("padded rows: ")
+        return
+    rng = np.random.default_rng(len(name))
+    prompts = [rng.integers(1, archs.V, size=n).tolist() for n in (5, 150, 300)]
+    pages = Pages(layout.block_size)
+    want_tokens, want_lp = _decode(model, plan.make_cache, prompts)
+    got_tokens, got_lp = _decode(model, lambda: page_caches(plan.make_cache(), pages), prompts)
+    assert pages.pools, f"{name}: {layout.description}, but nothing was paged"
+    assert got_tokens == want_tokens
+    for g, w in zip(got_lp, want_lp, strict=True):
+        np.testing.assert_allclose(g, w, atol=5e-3)
