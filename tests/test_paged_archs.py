@@ -51,30 +51,36 @@ def _decode(model, make_cache, prompts):
     return [tokens[u] for u in uids], [np.stack(logprobs[u]) for u in uids]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_paged_decode_matches_padded(name):
-    assert name in archs.TINY_CONFIGS
+def _check_paged_matches_padded(name: str, kv: KVConfig, block_size, lengths, atol: float):
+    """Decode `lengths`-token prompts of `name` at `kv` padded, then paged in
+    the layout `block_size` gives (or check that it says why it does not page)."""
     model = archs.build_model(name)
-    plan = plan_kv(model, KVConfig(bits=4), batch=True)
+    plan = plan_kv(model, kv, batch=True)
     if plan.max_batch is not None:
         pytest.skip(f"{name} serves one sequence at a time")
     try:
-        check_batch_path(plan.make_cache, KVConfig(bits=4))
+        check_batch_path(plan.make_cache, kv)
     except UnsupportedKVConfig as e:  # the server refuses it at startup
         pytest.skip(str(e))
-    layout = choose_layout(plan, 4)
+    layout = choose_layout(plan, block_size)
     if layout.block_size is None:
         assert layout.description.startswith("padded rows: ")
         return
     rng = np.random.default_rng(len(name))
-    prompts = [rng.integers(1, archs.V, size=n).tolist() for n in LENGTHS]
-    pages = Pages(4)
+    prompts = [rng.integers(1, archs.V, size=n).tolist() for n in lengths]
+    pages = Pages(layout.block_size)
     want_tokens, want_lp = _decode(model, plan.make_cache, prompts)
     got_tokens, got_lp = _decode(model, lambda: page_caches(plan.make_cache(), pages), prompts)
     assert pages.pools, f"{name}: {layout.description}, but nothing was paged"
     assert got_tokens == want_tokens
     for g, w in zip(got_lp, want_lp, strict=True):
-        np.testing.assert_allclose(g, w, atol=2e-3)
+        np.testing.assert_allclose(g, w, atol=atol)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_paged_decode_matches_padded(name):
+    assert name in archs.TINY_CONFIGS
+    _check_paged_matches_padded(name, KVConfig(bits=4), 4, LENGTHS, atol=2e-3)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -84,25 +90,5 @@ def test_the_defaults_paged_decode_matches_padded(name):
     its exact tail. Without sinks, paged blocks and padded rows quantize the
     same groups (with sinks the paged body starts its groups at position 0:
     `caches/paged/split.py`), so the logits agree as in the test above."""
-    model = archs.build_model(name)
-    kv = default_kv_config(has_bounded_layers(model)).with_(sinks=0)
-    plan = plan_kv(model, kv, batch=True)
-    if plan.max_batch is not None:
-        pytest.skip(f"{name} serves one sequence at a time")
-    try:
-        check_batch_path(plan.make_cache, kv)
-    except UnsupportedKVConfig as e:
-        pytest.skip(str(e))
-    layout = choose_layout(plan, EngineOptions().block_size)
-    if layout.block_size is None:
-        assert layout.description.startswith("padded rows: ")
-        return
-    rng = np.random.default_rng(len(name))
-    prompts = [rng.integers(1, archs.V, size=n).tolist() for n in (5, 150, 300)]
-    pages = Pages(layout.block_size)
-    want_tokens, want_lp = _decode(model, plan.make_cache, prompts)
-    got_tokens, got_lp = _decode(model, lambda: page_caches(plan.make_cache(), pages), prompts)
-    assert pages.pools, f"{name}: {layout.description}, but nothing was paged"
-    assert got_tokens == want_tokens
-    for g, w in zip(got_lp, want_lp, strict=True):
-        np.testing.assert_allclose(g, w, atol=5e-3)
+    kv = default_kv_config(has_bounded_layers(archs.build_model(name))).with_(sinks=0)
+    _check_paged_matches_padded(name, kv, EngineOptions().block_size, (5, 150, 300), atol=5e-3)
