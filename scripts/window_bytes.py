@@ -15,7 +15,6 @@ stored width per token:
 from __future__ import annotations
 
 import argparse
-import shlex
 
 import mlx.core as mx
 
@@ -23,23 +22,23 @@ import mlx.core as mx
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--setting", action="append", default=[], help="serve's KV flags ('': default)")
     ap.add_argument("--tokens", type=int, default=300, help="tokens decoded past the prompt")
+
+    from mlx_kvq.commands.flags import add_setting_flag, setting_namespaces
+
+    add_setting_flag(ap, "each measured in turn ('': the default)")
     a = ap.parse_args()
 
     from mlx_lm import load
 
-    from mlx_kvq.commands.flags import add_serve_flags
     from mlx_kvq.commands.startup import ModelSource, kv_setting
     from mlx_kvq.engine.budget import setting_label
     from mlx_kvq.generate import generate_step
     from mlx_kvq.plan import plan_kv
 
     model, _ = load(a.model)
-    parser = argparse.ArgumentParser()
-    add_serve_flags(parser)
-    for flags in a.setting or [""]:
-        kv = kv_setting(parser.parse_args(shlex.split(flags)), ModelSource("", ""), model)
+    for ns in setting_namespaces(a.setting, argparse.Namespace()):
+        kv = kv_setting(ns, ModelSource("", ""), model)
         plan = plan_kv(model, kv)
         cache = plan.make_cache()
         kinds = [plan.layer(i).kind for i in range(len(cache))]

@@ -23,7 +23,7 @@ triggers occur, the one listed **last** wins: list them in the order the
 conversation brings them up. Without any trigger the model says ``default``.
 Greedy decoding says the script exactly, also with mlx-kvq's KV caches at
 every width (2, 3, 4, 5, 6 and 8 bits, keys and values alike or not, rotated
-or not, per token or in the split layout; the default K4/V3 included), in
+or not, per token or in the split layout, the defaults included), in
 batches and past wrapped sliding windows::
 
     from kvq_testing.scripted import Reply, save_scripted_model, token_id
