@@ -89,6 +89,21 @@ def test_generate_prints_plan_and_kv_bytes(tmp_path):
     assert any(line.startswith("Native kernels: ") for line in lines)
 
 
+def test_serve_exits_2_naming_a_tokenizer_it_cannot_load(tmp_path):
+    """`serve` loads the tokenizer beside the weights and the warm-up: a
+    tokenizer that fails still stops the start with status 2 and its name."""
+    from kvq_testing.tiny import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "m", "gemma3_text")
+    (path / "tokenizer.json").write_text("{not json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_kvq", "serve", "--model", str(path), "--port", "0"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"could not load the tokenizer of {path}" in proc.stderr
+
+
 def test_prompt_cache_file_with_quantized_windows(tmp_path):
     from kvq_testing.tiny import save_tiny_model
 

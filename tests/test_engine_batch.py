@@ -7,6 +7,8 @@ engine failure turning /health to 503 with the reason.
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 import pytest
 from kvq_testing.events import WAIT_S, Collector, wait_until
@@ -254,6 +256,39 @@ def test_requests_queued_during_a_failed_warmup_get_an_error(loaded, tmp_path):
     state = eng.readiness.get()
     assert state.status == "failed" and "simulated accelerator fault" in state.reason
     eng.stop()
+
+
+def test_the_warm_up_runs_while_the_tokenizer_is_still_loading(loaded, engine, caplog):
+    """`serve` loads the tokenizer beside the warm-up: an engine made without
+    one warms up on token ids alone, stays warming up until it is attached,
+    then answers as the engine that had it from the start. One stopped while
+    waiting for it ends."""
+    model, tokenizer, plan, kv = loaded
+    prompt = tokenizer.encode("the river runs under the bridge")
+    expected = submit(engine, prompt, max_tokens=6).wait().tokens
+
+    def warm_ups() -> int:
+        return sum("warm-up done" in r.getMessage() for r in caplog.records)
+
+    options = EngineOptions(prompt_cache_size=8, max_context=plan.max_context)
+    with caplog.at_level(logging.INFO, logger="mlx_kvq.engine"):
+        eng = Engine(model, None, plan, kv, options)
+        eng.start()
+        try:
+            wait_until(lambda: warm_ups() == 1, "the warm-up without a tokenizer")
+            assert eng.readiness.get().status == "warming_up"
+            eng.attach(tokenizer)
+            assert eng.readiness.ready_event.wait(WAIT_S) and eng.readiness.ready
+            assert submit(eng, prompt, max_tokens=6).wait().tokens == expected
+            with pytest.raises(RuntimeError, match="already"):
+                eng.attach(tokenizer)
+        finally:
+            eng.stop()
+        waiting = Engine(model, None, plan, kv, options)
+        waiting.start()
+        wait_until(lambda: warm_ups() == 2, "the second warm-up")
+        waiting.stop()
+        assert not waiting.alive and waiting.readiness.get().status != "ready"
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,14 @@ from mlx_kvq.config import KVConfig, UnsupportedKVConfig
 from mlx_kvq.defaults import DEFAULT_FULL_KV_CONFIG
 from mlx_kvq.engine.prompt_cache import PromptCache
 from mlx_kvq.engine.stops import StopMatcher
-from mlx_kvq.engine.warmup import check_batch_path, held_exact, verify_warmup, warmup_spec
+from mlx_kvq.engine.warmup import (
+    FILLER_IDS,
+    check_batch_path,
+    filler_tokens,
+    held_exact,
+    verify_warmup,
+    warmup_spec,
+)
 from mlx_kvq.plan import plan_kv
 
 
@@ -211,6 +218,18 @@ def test_warmup_goes_past_what_a_split_layer_keeps_exact():
     assert spec.must_exceed == 10 + held_exact(plan, None) and spec.long > spec.must_exceed
     with pytest.raises(UnsupportedKVConfig, match="kept exact"):
         warmup_spec(None, kv, 200, held_exact(plan, None))
+
+
+@pytest.mark.parametrize("vocab", [5, 300, 70000])
+def test_warmup_prompts_are_ids_every_embedding_table_holds(vocab):
+    """The warm-up runs before the tokenizer is loaded: its prompts are ids
+    below the smallest embedding table (and `FILLER_IDS`), padding's 0 left out,
+    varied enough that no two neighbours repeat."""
+    ids = filler_tokens(tiny_model("llama", vocab_size=vocab))
+    top = min(vocab, FILLER_IDS)
+    assert ids and all(1 <= t < top for t in ids)
+    assert len(set(ids)) == top - 1
+    assert all(a != b for a, b in zip(ids, ids[1:], strict=False))
 
 
 def _slot(kind, quantized=True, tokens=20):

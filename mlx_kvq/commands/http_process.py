@@ -34,7 +34,6 @@ def serve_http(engine: Engine, settings: ServerSettings, host: str, port: int, l
     """Serve `engine` (started: it may still be warming up) until a signal;
     0 after a clean shutdown, 1 if the port never opened."""
     app = create_app(engine, settings)
-    engine.grammars.start()
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), access_log=False,
         timeout_graceful_shutdown=5, http=guarded_protocol(limits),

@@ -33,6 +33,8 @@ from .flags import (
 from .startup import (
     Launch,
     ModelSource,
+    load_tokenizer,
+    load_weights,
     model_directory,
     model_source,
     prepare_compute,
@@ -279,7 +281,11 @@ def run(args: argparse.Namespace) -> int:
                 "bytes, so byte-based eviction would diverge between them; use --prompt-cache-size"
             )
         refuse_early(source, launch.kv_setting(args, source))
-    model, tokenizer = launch.load(source, args)
+    if launch.grouped or args.draft_model or source.local_config is None:
+        model, tokenizer = launch.load(source, args)  # a draft model is checked against it
+    else:  # a model on disk: its tokenizer loads while the weights load and the engine warms up
+        tokenizer_load = load_tokenizer(source, args)
+        model, tokenizer = load_weights(source, args), None
 
     def checks(plan) -> None:
         check_batch_path(plan.make_cache, kv, max_batch=plan.max_batch)
@@ -310,8 +316,10 @@ def run(args: argparse.Namespace) -> int:
     if not launch.leader:
         return launch.follow(engine, coordinator)
     log.info("%s", engine.capacity.line)
-    engine.start()  # it warms up while the HTTP side is imported and built
+    engine.start()  # it warms up while the tokenizer loads and the HTTP side is built
     try:
+        if tokenizer is None:
+            engine.attach(tokenizer_load.result())
         from .http_process import serve_http
 
         settings = server_settings(args, source, plan_dict)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,13 +131,17 @@ def tokenizer_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load_model(source: ModelSource, args: argparse.Namespace) -> tuple[Any, Any]:
-    """(model, tokenizer) with mlx-lm's `load`, adapters applied; a failure
-    names the model (and the adapter).
+    """(model, tokenizer) as mlx-lm's `load` makes them, adapters applied; a
+    failure names the model (and the adapter). A model on disk loads its
+    tokenizer while its weights load.
 
     `--trust-remote-code` reaches the model too (custom `model_file`
     architectures), as in mlx_lm.server.
     """
-    from mlx_lm import load
+    if source.local_config is not None:
+        tokenizer = load_tokenizer(source, args)
+        return load_weights(source, args), tokenizer.result()
+    from mlx_lm import load  # a hub repo id: mlx-lm's load fetches it
 
     try:
         model, tokenizer = load(
@@ -145,14 +151,70 @@ def load_model(source: ModelSource, args: argparse.Namespace) -> tuple[Any, Any]
             trust_remote_code=getattr(args, "trust_remote_code", False),
         )
     except Exception as e:  # noqa: BLE001 - any load failure is a bad --model
-        what = source.location
-        if source.adapter_path is not None:
-            what += f" with the adapter {source.adapter_path}"
-        raise ValueError(f"could not load the model from {what}: {type(e).__name__}: {e}") from e
+        raise ValueError(
+            f"could not load the model from {_what(source)}: {type(e).__name__}: {e}"
+        ) from e
     if getattr(args, "use_default_chat_template", False):
         use_default_chat_template(tokenizer)
     prepare_compute(model, args)
     return model, tokenizer
+
+
+def load_weights(source: ModelSource, args: argparse.Namespace) -> Any:
+    """The model on disk, as mlx-lm's `load` makes it but without its
+    tokenizer (`load_tokenizer`), so that `serve` warms up while the
+    tokenizer loads; a failure names the model."""
+    from mlx_lm.utils import load_adapters
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    try:
+        model, _ = mlx_lm_load_model(
+            Path(source.location), trust_remote_code=getattr(args, "trust_remote_code", False)
+        )
+        if source.adapter_path is not None:
+            model = load_adapters(model, source.adapter_path)
+            model.eval()
+    except Exception as e:  # noqa: BLE001 - any load failure is a bad --model
+        raise ValueError(
+            f"could not load the model from {_what(source)}: {type(e).__name__}: {e}"
+        ) from e
+    prepare_compute(model, args)
+    return model
+
+
+def load_tokenizer(source: ModelSource, args: argparse.Namespace) -> Future:
+    """The tokenizer of a model on disk, as mlx-lm's `load` makes it, loading
+    on a thread of its own (`load_weights` goes on meanwhile, then `serve`'s
+    warm-up): its result, or the error naming the model."""
+    from mlx_lm.utils import load_config
+    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+    future: Future = Future()
+
+    def load() -> None:
+        try:
+            path = Path(source.location)
+            tokenizer = mlx_lm_load_tokenizer(
+                path, tokenizer_config(args), eos_token_ids=load_config(path).get("eos_token_id")
+            )
+            if getattr(args, "use_default_chat_template", False):
+                use_default_chat_template(tokenizer)
+            future.set_result(tokenizer)
+        except Exception as e:  # noqa: BLE001 - any load failure is a bad --model
+            future.set_exception(
+                ValueError(
+                    f"could not load the tokenizer of {source.location}: {type(e).__name__}: {e}"
+                )  # fmt: skip
+            )
+
+    threading.Thread(target=load, name="mlx-kvq-tokenizer", daemon=True).start()
+    return future
+
+
+def _what(source: ModelSource) -> str:
+    if source.adapter_path is None:
+        return source.location
+    return f"{source.location} with the adapter {source.adapter_path}"
 
 
 def prepare_compute(model: Any, args: argparse.Namespace) -> None:

@@ -1,14 +1,16 @@
 """The engine's parts, made once at startup from the plan and the options.
 
-`build` chooses the batch's layout (block pools for the layers that page,
-padded rows for the others), prices the KV budget from the plan when one is
-set (and the draft model's caches, and the speculative lane's own caches),
-and makes the prompt cache, the batch runner, the memory accounting, the
-scheduler, the samplers, the grammars, the refusals, the output processor,
-the plan's executor and the metrics' reporter, each given the others it
-works with, and the prompt cache's disk tier when a directory is given
-(`disk/`: it hooks into the memory accounting). The engine thread only
-drives them.
+`build_model_side` chooses the batch's layout (block pools for the layers
+that page, padded rows for the others), prices the KV budget from the plan
+when one is set (and the draft model's caches, and the speculative lane's
+own caches), and makes the prompt cache, the batch runner, the memory
+accounting and the scheduler, and the prompt cache's disk tier when a
+directory is given (`disk/`: it hooks into the memory accounting). That is
+all the warm-up needs, so it can run while the tokenizer loads.
+`build_request_side` then makes, from the tokenizer, the samplers, the
+grammars, the refusals, the output processor, the plan's executor and the
+metrics' reporter, each given the others it works with. The engine thread
+only drives them.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def materialize(model: Any) -> None:
 
 
 @dataclass
-class EngineParts:
-    """What the engine thread drives."""
+class ModelParts:
+    """The parts that need the model and the plan alone: the warm-up runs on
+    them while the tokenizer may still be loading."""
 
     layout: Layout
     capacity: Capacity | None
@@ -82,13 +85,20 @@ class EngineParts:
     runner: BatchRunner
     memory: KVMemory
     scheduler: Scheduler
+    disk: DiskTier | None = None
+
+
+@dataclass
+class RequestParts:
+    """The parts that turn requests into sequences and tokens into events:
+    they need the tokenizer (its EOS ids, its vocabulary, its detokenizer)."""
+
     samplers: SamplerPool
     grammars: Grammars
     admission: Admission
     output: OutputProcessor
     executor: PlanExecutor
     reporter: Reporter
-    disk: DiskTier | None = None
 
 
 def _ledger(plan: KVPlan, o: EngineOptions, layout: Layout) -> Ledger | None:
@@ -101,16 +111,10 @@ def _ledger(plan: KVPlan, o: EngineOptions, layout: Layout) -> Ledger | None:
     return Ledger([share])
 
 
-def build(
-    model: Any,
-    tokenizer: Any,
-    plan: KVPlan,
-    o: EngineOptions,
-    inbox: Inbox,
-    metrics: EngineMetrics,
-    draft: DraftModel | None,
-) -> EngineParts:
-    """The engine's parts for `model` under `plan`; see the module docstring."""
+def build_model_side(
+    model: Any, plan: KVPlan, o: EngineOptions, draft: DraftModel | None
+) -> ModelParts:
+    """The engine's model-side parts for `model` under `plan`; see the module docstring."""
     materialize(model)
     if draft is not None:
         materialize(draft.model)
@@ -130,13 +134,11 @@ def build(
     lane_cost = None
     if draft_cost is not None and layout.block_size is not None:
         lane_cost = CostModel.from_plan(plan, prefill_step=o.prefill_step_size, prompt_rows=1)
-    eos = StopSequences([(t,) for t in tokenizer.eos_token_ids])
     runner = BatchRunner(
         model,
         RunnerOptions(
             o.decode_concurrency, o.prompt_concurrency, o.prefill_step_size, layout.block_size
         ),
-        eos,
         draft,
     )
     prompt_cache = PromptCache(o.prompt_cache_size, o.prompt_cache_bytes)
@@ -152,26 +154,47 @@ def build(
     scheduler = Scheduler(
         Limits(o.decode_concurrency, o.prompt_concurrency), memory, lane=draft is not None
     )
+    return ModelParts(layout, capacity, prompt_cache, runner, memory, scheduler, disk)
+
+
+def build_request_side(
+    tokenizer: Any,
+    parts: ModelParts,
+    plan: KVPlan,
+    o: EngineOptions,
+    inbox: Inbox,
+    metrics: EngineMetrics,
+    speculation: bool,
+) -> RequestParts:
+    """The engine's tokenizer-side parts, over its model-side `parts`."""
+    runner, memory, prompt_cache = parts.runner, parts.memory, parts.prompt_cache
     # mlx_lm.server's XTC special tokens: the newline's tokens and EOS
     samplers = SamplerPool(xtc_special=(*tokenizer.encode("\n"), *tokenizer.eos_token_ids))
-    grammars = Grammars(tokenizer)  # reads the vocabulary while the warm-up runs
+    grammars = Grammars(tokenizer)  # reads the vocabulary on a thread of its own
     admission = Admission(
         memory, metrics, tokenizer, grammars, samplers, max_context=o.max_context,
-        max_queued=o.max_queued_requests, speculation=draft is not None,
+        max_queued=o.max_queued_requests, speculation=speculation,
         keeps_prompts=o.prompt_cache_size > 0,
     )  # fmt: skip
     eos_ids = frozenset(tokenizer.eos_token_ids)
     output = OutputProcessor(
-        runner, scheduler, memory, prompt_cache, metrics, eos_ids, inbox.admitted
+        runner, parts.scheduler, memory, prompt_cache, metrics, eos_ids, inbox.admitted
     )
     executor = PlanExecutor(
-        plan, runner, scheduler, memory, prompt_cache, samplers, metrics, output, inbox.admitted
-    )
-    reporter = Reporter(metrics, scheduler, runner, memory, prompt_cache, inbox, output, disk)
-    return EngineParts(
-        layout, capacity, prompt_cache, runner, memory, scheduler, samplers, grammars,
-        admission, output, executor, reporter, disk,
+        plan, runner, parts.scheduler, memory, prompt_cache, samplers, metrics, output,
+        inbox.admitted, StopSequences([(t,) for t in sorted(eos_ids)]),
     )  # fmt: skip
+    reporter = Reporter(
+        metrics, parts.scheduler, runner, memory, prompt_cache, inbox, output, parts.disk
+    )
+    return RequestParts(samplers, grammars, admission, output, executor, reporter)
 
 
-__all__ = ["EngineOptions", "EngineParts", "build", "materialize"]
+__all__ = [
+    "EngineOptions",
+    "ModelParts",
+    "RequestParts",
+    "build_model_side",
+    "build_request_side",
+    "materialize",
+]

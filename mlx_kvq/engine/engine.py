@@ -26,13 +26,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from mlx_kvq.config import KVConfig
 from mlx_kvq.plan import KVPlan
 
 from .budget import Capacity, Ledger, capacity_tokens
-from .build import EngineOptions, build
+from .build import EngineOptions, build_model_side, build_request_side
 from .coordinator import Coordinator, LocalCoordinator, RankStatus, StepCommands, StopNotice
 from .inbox import Inbox, unavailable
 from .metrics import EngineMetrics
@@ -57,7 +58,7 @@ class Engine:
     def __init__(
         self,
         model: Any,
-        tokenizer: Any,
+        tokenizer: Any | None,
         plan: KVPlan,
         kv_config: KVConfig,
         options: EngineOptions | None = None,
@@ -66,7 +67,8 @@ class Engine:
         metrics: EngineMetrics | None = None,
         draft: DraftModel | None = None,
     ):
-        self.tokenizer = tokenizer
+        """`tokenizer` None: it comes later through `attach`, so the warm-up
+        (which needs only the model) runs while it loads."""
         self.plan = plan
         self.kv_config = kv_config
         self.options = options or EngineOptions()
@@ -76,24 +78,41 @@ class Engine:
         self.metrics = metrics or EngineMetrics()
         self.readiness = Readiness()
         self.inbox = Inbox()
-        parts = build(model, tokenizer, plan, self.options, self.inbox, self.metrics, draft)
+        parts = self._model_parts = build_model_side(model, plan, self.options, draft)
         self.layout = parts.layout
         self.capacity: Capacity | None = parts.capacity
         self.prompt_cache = parts.prompt_cache
         self.runner = parts.runner
         self.memory = parts.memory
         self.scheduler = parts.scheduler
+        self.disk = parts.disk
+        self._attached = threading.Event()
+        self._failed = threading.Event()
+        self._stopping = threading.Event()
+        self._settled = False  # an idle step has settled and published since the last work
+        self._thread = threading.Thread(target=self._run, name="mlx-kvq-engine", daemon=True)
+        if tokenizer is not None:
+            self.attach(tokenizer)
+
+    def attach(self, tokenizer: Any) -> None:
+        """Give the engine its tokenizer, once, before any request: the parts
+        that turn requests into sequences and tokens into events are made
+        from it. The engine says ready only after this and its warm-up."""
+        if self._attached.is_set():
+            raise RuntimeError("the engine has its tokenizer already")
+        parts = build_request_side(
+            tokenizer, self._model_parts, self.plan, self.options, self.inbox, self.metrics,
+            speculation=self.draft is not None,
+        )  # fmt: skip
+        self.tokenizer = tokenizer
         self.grammars = parts.grammars
         self._samplers = parts.samplers
         self._admission = parts.admission
         self._output = parts.output
         self._executor = parts.executor
         self._reporter = parts.reporter
-        self.disk = parts.disk
-        self._failed = threading.Event()
-        self._stopping = threading.Event()
-        self._settled = False  # an idle step has settled and published since the last work
-        self._thread = threading.Thread(target=self._run, name="mlx-kvq-engine", daemon=True)
+        self._attached.set()
+        self.grammars.start()  # llguidance reads the vocabulary, beside whatever runs now
 
     @property
     def budget(self) -> Ledger | None:
@@ -165,13 +184,15 @@ class Engine:
         try:
             self.runner.open()
             self.memory.serving = True
-            if not self._wait_for_gate():
+            gate = self.options.warmup_gate
+            if not self._wait_until(lambda: not gate or os.path.exists(gate)):
                 return
             self._agree_budget()
             verdict, vocab = run_warmup(
-                self.runner, self.plan, self.tokenizer, self.kv_config, self.max_context,
-                self.draft,
-            )  # fmt: skip
+                self.runner, self.plan, self.kv_config, self.max_context, self.draft
+            )
+            if not self._wait_until(self._attached.is_set):
+                return
             self._samplers.vocab = vocab or self._samplers.vocab
             self.grammars.wait()  # ready includes response_format's path
             verdict = self.coordinator.agree_warmup(verdict)
@@ -220,7 +241,8 @@ class Engine:
         self.runner.close()
         if self.disk is not None:
             self.disk.close()  # what is queued is written first
-        self._reporter.publish(force=True)
+        if self._attached.is_set():
+            self._reporter.publish(force=True)
 
     def _end_all(self, reason: str) -> None:
         """Refuse new requests and answer every queued and running one with an error."""
@@ -238,11 +260,12 @@ class Engine:
             seq.sink(unavailable(reason))
             self.metrics.count_request(Outcome.ERROR)
 
-    def _wait_for_gate(self) -> bool:
-        """Tests hold the warm-up back until a file exists; False if stopped meanwhile."""
-        gate = self.options.warmup_gate
-        while gate and not os.path.exists(gate):
-            if self._stopping.wait(0.05):
+    def _wait_until(self, done: Callable[[], bool]) -> bool:
+        """Wait until `done()`: the tests' warm-up gate (a file), the tokenizer
+        of `attach` (it loads beside the warm-up); False, shut down, if stopped
+        meanwhile."""
+        while not done():
+            if self._stopping.wait(0.02):
                 self._shutdown(SHUTTING_DOWN, normal=True)
                 return False
         return True

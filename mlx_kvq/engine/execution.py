@@ -33,6 +33,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from mlx_lm.generate import StopSequences
+
 from mlx_kvq.plan import KVPlan
 
 from .memory import KVMemory
@@ -62,6 +64,7 @@ class PlanExecutor:
         metrics: EngineMetrics,
         output: OutputProcessor,
         left_queue: Callable[[int], None],
+        eos: StopSequences,
     ):
         self.plan = plan
         self.runner = runner
@@ -72,6 +75,7 @@ class PlanExecutor:
         self.metrics = metrics
         self.output = output
         self.left_queue = left_queue
+        self.eos = eos  # what ends every sequence in the batch
         # whether some cache of the plan cannot be trimmed back (then prompts
         # are cut at their checkpoints; otherwise the longest entry serves every prefix)
         self._untrimmable = any(p.window is not None or p.kind == "state" for p in plan.layers)
@@ -163,7 +167,7 @@ class PlanExecutor:
             ends = itertools.accumulate(len(p) for p in pieces[:-1])
             seq.cuts_at = (*(cached + n for n in ends), len(tokens) - 1)
         reused = self.runner.insert(
-            seq, pieces, cache, tokens[:cached], seq.max_tokens - len(seq.generated)
+            seq, pieces, cache, tokens[:cached], seq.max_tokens - len(seq.generated), self.eos
         )
         self.memory.inserted(seq.id)
         if reused:
@@ -205,7 +209,8 @@ class PlanExecutor:
             else:  # still prefilling: the rest of the prompt, cut where the prompt cache copies
                 pieces, cuts = split_prompt(held + rest, len(held), self._checkpoints(seq.request))
             seq.cuts = deque(cuts)
-            self.runner.insert(seq, pieces, cache, held, seq.max_tokens - seq.completion_tokens)
+            left = seq.max_tokens - seq.completion_tokens
+            self.runner.insert(seq, pieces, cache, held, left, self.eos)
         except Exception as e:  # noqa: BLE001 - the lane's request fails, the engine goes on
             self.output.fail(seq, e)
             return

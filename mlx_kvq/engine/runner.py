@@ -184,12 +184,9 @@ class RunnerOptions:
 class BatchRunner:
     """mlx-lm's batch and the speculative lane; see the module docstring."""
 
-    def __init__(
-        self, model: Any, options: RunnerOptions, eos: StopSequences, draft: DraftModel | None
-    ):
+    def __init__(self, model: Any, options: RunnerOptions, draft: DraftModel | None):
         self.model = model
         self.options = options
-        self.eos = eos
         self.rows: dict[int, Sequence] = {}  # by batch uid
         # The paged layout: block pools of the layers that page (None: mlx-lm's
         # left-padded rows for every layer).
@@ -242,11 +239,12 @@ class BatchRunner:
         cache: list,
         held: list[int],
         max_tokens: int,
-        stop: StopSequences | None = None,
+        stop: StopSequences,
     ) -> int:
         """Add `seq` to the batch: `cache` holds `held`, `pieces` are the tokens
-        still to process (the last one starts decoding). Returns the pool
-        blocks it maps by reference (a paged prompt-cache copy's)."""
+        still to process (the last one starts decoding), `stop` the tokens that
+        end it (EOS). Returns the pool blocks it maps by reference (a paged
+        prompt-cache copy's)."""
         reused = mapped_blocks(cache)
         cache = self.for_batch(cache, seq.id)
         (uid,) = self._bg.insert_segments(
@@ -256,7 +254,7 @@ class BatchRunner:
             all_tokens=[held],
             samplers=[seq.sampler],
             logits_processors=[seq.processors],
-            stop_sequences=[stop or self.eos],
+            stop_sequences=[stop],
         )
         seq.uid = uid
         self.rows[uid] = seq

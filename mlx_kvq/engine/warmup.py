@@ -8,7 +8,9 @@ different lengths (right padding, a merge into the running batch), then
 checks with `cache_report` that every KV cache kind of the model ended up
 quantized (`run_warmup`; with a draft model, one sequence through the
 speculative lane too). Only one prompt is long: prefill is the warm-up's
-cost. The report it leaves is what `/health` shows.
+cost. Its prompts are token ids, not text (`filler_tokens`), so it needs
+no tokenizer and runs while the tokenizer loads. The report it leaves is
+what `/health` shows.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from enum import Enum
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_kvq.caches import cache_report, exact_tokens_held
 from mlx_kvq.config import KVConfig, UnsupportedKVConfig, is_split
@@ -255,14 +258,23 @@ def check_batch_path(
                 )
 
 
-WARMUP_TEXT = (
-    "The quick brown fox jumps over the lazy dog while the server warms up its "
-    "quantized caches, one token at a time. "
-)
+FILLER_IDS = 4096  # the warm-up's prompts walk over ids below this (and the vocabulary)
+
+
+def filler_tokens(model: Any) -> list[int]:
+    """Token ids for the warm-up's prompts, chosen without the tokenizer (it
+    loads while the warm-up runs): a walk over the ids below `FILLER_IDS`
+    that every embedding table of `model` holds, 0 (often padding) left out."""
+    tables = (nn.Embedding, nn.QuantizedEmbedding)
+    rows = [m.weight.shape[0] for _, m in model.named_modules() if isinstance(m, tables)]
+    n = min([FILLER_IDS, *rows])
+    if n < 2:
+        return [0]
+    return [1 + (37 * i) % (n - 1) for i in range(n - 1)]
 
 
 def run_warmup(
-    runner: Any, plan: Any, tokenizer: Any, kv: KVConfig, max_context: int | None, draft: Any
+    runner: Any, plan: Any, kv: KVConfig, max_context: int | None, draft: Any
 ) -> tuple[WarmupVerdict, int]:
     """Run the readiness warm-up through the real batch path (and the
     speculative lane, with a draft model): this rank's verdict and the width
@@ -270,7 +282,7 @@ def run_warmup(
     t0 = time.monotonic()
     exact = held_exact(plan, None if runner.pages is None else runner.pages.block_size)
     spec = warmup_spec(plan.max_window, kv, max_context, exact)
-    filler = list(tokenizer.encode(WARMUP_TEXT)) or [0]
+    filler = filler_tokens(runner.model)
     first, *joining = [(filler * (n // len(filler) + 1))[:n] for n in (spec.long, *spec.joining)]
     run = runner.warm_up(first, spec.first_tokens, joining, spec.max_tokens, plan.make_cache)
     try:
