@@ -24,6 +24,10 @@ def test_servers_section_runs_both_servers_end_to_end(tmp_path):
     for n in names:
         st = out["startup"][n]
         assert 0 < st["ready_s"] <= st["first_answer_s"]
+        # timed alone, twice each (the default), every start's figures kept
+        assert st["ready"]["n"] == st["first_answer"]["n"] == 2
+        pairs = zip(st["ready"]["samples"], st["first_answer"]["samples"], strict=True)
+        assert all(0 < r <= a for r, a in pairs)
         assert st["blas"]
     # both arms bound the same BLAS library
     assert (

@@ -7,10 +7,13 @@ before running `mlx_lm.server`'s own `main` (an `LD_PRELOAD` cannot do it:
 the `scipy-openblas32` library exports its functions as `scipy_cblas_*`).
 Each server's BLAS line is recorded from the server itself.
 
-The servers start one at a time (nothing else computes meanwhile): the
-time to readiness is `/health` answering 200 for mlx-kvq and, for
-`mlx_lm.server` (whose `/health` answers while the model still loads), its
-first completion answered; mlx-kvq's first answer is recorded too. Then the
+Startup is timed with each server alone on the machine, `server_starts`
+times per server in an order that alternates (a server starting beside
+another that holds its model loaded, even idle, started 1-2.5 s slower
+here on Gemma 3 270M): the time to readiness is `/health` answering 200
+for mlx-kvq and, for `mlx_lm.server` (whose `/health` answers while the
+model still loads), its first completion answered; mlx-kvq's first answer
+is recorded too. Then every server starts again (untimed), and the
 scenarios run in rounds, the servers taking turns within a round in an
 order that alternates between rounds, so that the machine's load falls on
 every arm alike; every ratio is an arm's figure over `mlx_lm.server`'s in
@@ -343,6 +346,8 @@ def run(settings: BenchSettings, log=print) -> dict:
     if not model:
         raise ValueError("the servers section needs a model: --model DIR (or FILE.gguf)")
     _check_lengths(settings)
+    if settings.server_starts < 1:
+        raise ValueError("--server-starts must be at least 1: startup is always timed")
     tokenizer = _load_tokenizer(model)
     prompts = Prompts(tokenizer, _read_text(settings))
     for path in Path(model).glob("*.safetensors"):  # the same page cache for every start
@@ -364,14 +369,21 @@ def run(settings: BenchSettings, log=print) -> dict:
     texts: dict[str, list[str]] = {n: [] for n in names}
     prompt_tokens: dict[str, list[int]] = {n: [] for n in names}
     ttft = {kind: {n: Stat() for n in names} for kind in ("cold", "repeated")}
+    ready = {n: Stat() for n in names}
+    first = {n: Stat() for n in names}
     try:
+        for k in range(settings.server_starts):
+            for s in servers if k % 2 == 0 else servers[::-1]:
+                s.start(warm)
+                s.stop()
+                ready[s.arm.name].samples.append(s.ready_s)
+                first[s.arm.name].samples.append(s.first_answer_s)
+                log(
+                    f"  {s.arm.name}, alone: ready after {s.ready_s:.1f} s, first answer after "
+                    f"{s.first_answer_s:.1f} s; BLAS {s.blas}"
+                )
         for s in servers:
-            log(f"  starting {s.arm.name}")
             s.start(warm)
-            log(
-                f"  {s.arm.name}: ready after {s.ready_s:.1f} s, first answer after "
-                f"{s.first_answer_s:.1f} s; BLAS {s.blas}"
-            )
         for r in range(settings.server_rounds):
             order = servers if r % 2 == 0 else servers[::-1]
             for name, lengths in scenarios:
@@ -405,7 +417,13 @@ def run(settings: BenchSettings, log=print) -> dict:
             s.stop()
     base = names[0]
     out["startup"] = {
-        s.arm.name: {"ready_s": s.ready_s, "first_answer_s": s.first_answer_s, "blas": s.blas}
+        s.arm.name: {
+            "ready_s": ready[s.arm.name].median,
+            "first_answer_s": first[s.arm.name].median,
+            "ready": ready[s.arm.name].to_dict(2),
+            "first_answer": first[s.arm.name].to_dict(2),
+            "blas": s.blas,
+        }
         for s in servers
     }
     out["readiness_ratio"] = {
@@ -558,14 +576,17 @@ def markdown(out: dict) -> list[str]:
         f"{_loads(out.get('load_average_end'))} at the end. A ratio is the median of the "
         f"per-round ratios to {base} (min-max in parentheses).",
         "",
+        f"Startup: each server alone, {out['startup'][base]['ready']['n']} times, in "
+        "alternating order; medians (min-max).",
+        "",
         "| arm | command | ready s | first answer s | BLAS |",
         "|---|---|---|---|---|",
     ]
     for n in names:
         st = out["startup"][n]
         lines.append(
-            f"| {n} | `{out['arms'][n]}` | {st['ready_s']:.1f} | {st['first_answer_s']:.1f} | "
-            f"{st['blas']} |"
+            f"| {n} | `{out['arms'][n]}` | {format_spread(st['ready'])} "
+            f"| {format_spread(st['first_answer'])} | {st['blas']} |"
         )
     lines += [
         "",

@@ -98,6 +98,7 @@ class BenchSettings:
     server_mixed: tuple[int, int, int] = (4096, 256, 15)  # one long prompt beside shorts
     server_long: int = 15000  # time to first token on a prompt this long (0: not measured)
     server_rounds: int = 2
+    server_starts: int = 2  # timed starts per server, each alone, alternating
     server_text: str | None = None  # prompts are cut from it (default: the demo texts)
 
     def to_dict(self) -> dict:

@@ -38,6 +38,7 @@ def settings_from_args(args: argparse.Namespace):
         "server_prompt": args.server_prompt, "server_tokens": args.server_tokens,
         "server_mixed": args.server_mixed, "server_long": args.server_long,
         "server_rounds": args.server_rounds, "server_text": args.server_text,
+        "server_starts": args.server_starts,
     }  # fmt: skip
     s = replace(s, **{k: v for k, v in changes.items() if v is not None})
     if args.model_config:

@@ -863,6 +863,13 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
         help=f"servers section (default {d.server_rounds})",
     )
     p.add_argument(
+        "--server-starts",
+        type=int,
+        default=None,
+        help="servers section: timed starts of each server, each alone on the machine, in "
+        f"alternating order (default {d.server_starts})",
+    )
+    p.add_argument(
         "--server-text",
         default=None,
         help="servers section: the text prompts are cut from (default: the demo texts)",
