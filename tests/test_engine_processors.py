@@ -10,6 +10,8 @@ only requests that asked for it.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from kvq_testing.events import WAIT_S, Collector
 from kvq_testing.scripted import Reply, save_scripted_model, token_id
@@ -203,6 +205,32 @@ def test_grammars_constrain_the_answer(engine, loaded):
     assert scripted_json.wait().text == '{"city": "Paris"}'
 
 
+def test_the_engine_is_ready_before_llguidance_reads_the_vocabulary(loaded, caplog):
+    """Reading the vocabulary holds the GIL for seconds: it waits for the
+    first request with a grammar, not for readiness, and requests without
+    one never start it."""
+    path, model, tokenizer = loaded
+
+    def reads() -> int:
+        return sum("llguidance read the vocabulary" in r.getMessage() for r in caplog.records)
+
+    kv = KVConfig(bits=4, group_size=64)
+    with caplog.at_level(logging.DEBUG, logger="mlx_kvq.engine"):
+        eng = Engine(model, tokenizer, plan_kv(model, kv, batch=True), kv, EngineOptions())
+        eng.start()
+        try:
+            assert eng.readiness.ready_event.wait(WAIT_S) and eng.readiness.ready
+            plain = submit(eng, prompt(tokenizer, "The capital?"), params(path, {}))
+            assert plain.wait().text == "Paris is the capital of France."
+            assert reads() == 0
+            enum = json_grammar({"type": "string", "enum": ["yes", "no"]})
+            forced = submit(eng, prompt(tokenizer, "The capital?"), params(path, {}, grammar=enum))
+            assert forced.wait().text == '"no"'
+            assert reads() == 1
+        finally:
+            eng.stop()
+
+
 def test_an_impossible_grammar_fails_only_its_request(engine, loaded):
     path, _, tokenizer = loaded
     assert engine.grammars.check("not a grammar {") is not None
@@ -233,8 +261,8 @@ def test_prompt_progress_only_when_asked(engine, loaded):
 
 def test_grammars_read_the_vocabulary_when_started_or_first_needed(loaded):
     """llguidance's reading of the vocabulary holds the GIL, so the server
-    starts it once its HTTP side is built (`start`); starting twice is one
-    read, and a first use starts it if no one has."""
+    leaves it to the first request that needs it: a first use starts it, and
+    starting twice (`start`) is one read."""
     _, _, tokenizer = loaded
     started = processors.Grammars(tokenizer)
     started.start()

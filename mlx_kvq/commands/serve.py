@@ -283,8 +283,7 @@ def run(args: argparse.Namespace) -> int:
         refuse_early(source, launch.kv_setting(args, source))
     if launch.grouped or args.draft_model or source.local_config is None:
         model, tokenizer = launch.load(source, args)  # a draft model is checked against it
-    else:  # a model on disk: its tokenizer loads while the weights load and the engine warms up
-        tokenizer_load = load_tokenizer(source, args)
+    else:  # a model on disk: its tokenizer loads while the engine warms up
         model, tokenizer = load_weights(source, args), None
 
     def checks(plan) -> None:
@@ -319,7 +318,8 @@ def run(args: argparse.Namespace) -> int:
     engine.start()  # it warms up while the tokenizer loads and the HTTP side is built
     try:
         if tokenizer is None:
-            engine.attach(tokenizer_load.result())
+            engine.attach(load_tokenizer(source, args))
+            log.debug("tokenizer loaded, the engine has it")
         from .http_process import serve_http
 
         settings = server_settings(args, source, plan_dict)

@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,14 +131,13 @@ def tokenizer_config(args: argparse.Namespace) -> dict[str, Any]:
 def load_model(source: ModelSource, args: argparse.Namespace) -> tuple[Any, Any]:
     """(model, tokenizer) as mlx-lm's `load` makes them, adapters applied; a
     failure names the model (and the adapter). A model on disk loads its
-    tokenizer while its weights load.
+    tokenizer apart from its weights (`serve` warms up between the two).
 
     `--trust-remote-code` reaches the model too (custom `model_file`
     architectures), as in mlx_lm.server.
     """
     if source.local_config is not None:
-        tokenizer = load_tokenizer(source, args)
-        return load_weights(source, args), tokenizer.result()
+        return load_weights(source, args), load_tokenizer(source, args)
     from mlx_lm import load  # a hub repo id: mlx-lm's load fetches it
 
     try:
@@ -182,33 +179,24 @@ def load_weights(source: ModelSource, args: argparse.Namespace) -> Any:
     return model
 
 
-def load_tokenizer(source: ModelSource, args: argparse.Namespace) -> Future:
-    """The tokenizer of a model on disk, as mlx-lm's `load` makes it, loading
-    on a thread of its own (`load_weights` goes on meanwhile, then `serve`'s
-    warm-up): its result, or the error naming the model."""
+def load_tokenizer(source: ModelSource, args: argparse.Namespace) -> Any:
+    """The tokenizer of a model on disk, as mlx-lm's `load` makes it; a
+    failure names the model."""
     from mlx_lm.utils import load_config
     from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
-    future: Future = Future()
-
-    def load() -> None:
-        try:
-            path = Path(source.location)
-            tokenizer = mlx_lm_load_tokenizer(
-                path, tokenizer_config(args), eos_token_ids=load_config(path).get("eos_token_id")
-            )
-            if getattr(args, "use_default_chat_template", False):
-                use_default_chat_template(tokenizer)
-            future.set_result(tokenizer)
-        except Exception as e:  # noqa: BLE001 - any load failure is a bad --model
-            future.set_exception(
-                ValueError(
-                    f"could not load the tokenizer of {source.location}: {type(e).__name__}: {e}"
-                )  # fmt: skip
-            )
-
-    threading.Thread(target=load, name="mlx-kvq-tokenizer", daemon=True).start()
-    return future
+    path = Path(source.location)
+    try:
+        tokenizer = mlx_lm_load_tokenizer(
+            path, tokenizer_config(args), eos_token_ids=load_config(path).get("eos_token_id")
+        )
+    except Exception as e:  # noqa: BLE001 - any load failure is a bad --model
+        raise ValueError(
+            f"could not load the tokenizer of {source.location}: {type(e).__name__}: {e}"
+        ) from e
+    if getattr(args, "use_default_chat_template", False):
+        use_default_chat_template(tokenizer)
+    return tokenizer
 
 
 def _what(source: ModelSource) -> str:

@@ -112,7 +112,6 @@ class Engine:
         self._executor = parts.executor
         self._reporter = parts.reporter
         self._attached.set()
-        self.grammars.start()  # llguidance reads the vocabulary, beside whatever runs now
 
     @property
     def budget(self) -> Ledger | None:
@@ -194,7 +193,6 @@ class Engine:
             if not self._wait_until(self._attached.is_set):
                 return
             self._samplers.vocab = vocab or self._samplers.vocab
-            self.grammars.wait()  # ready includes response_format's path
             verdict = self.coordinator.agree_warmup(verdict)
             if not verdict.ok:
                 self._shutdown(verdict.error or "warm-up failed")
