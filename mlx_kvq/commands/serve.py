@@ -320,6 +320,10 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer is None:
             engine.attach(load_tokenizer(source, args))
             log.debug("tokenizer loaded, the engine has it")
+    except BaseException:
+        engine.stop(timeout=None)  # the warm-up runs to its end: MLX aborts an exit mid-evaluation
+        raise
+    try:
         from .http_process import serve_http
 
         settings = server_settings(args, source, plan_dict)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,19 @@ log = logging.getLogger("mlx_kvq.engine")
 
 IDLE_POLL_S = 0.1  # how long the idle engine thread waits for work per poll
 SHUTTING_DOWN = "server is shutting down"
+
+
+def _wait_for_os_exit(thread: threading.Thread, timeout: float = 2.0) -> None:
+    """Wait until a joined `thread` has left the OS too (Linux; elsewhere a
+    no-op). Python's join returns before the thread's C++ thread-locals are
+    destroyed, and MLX's compile cache, destroyed there, takes the GIL: if the
+    process is exiting by then, the thread is unwound through a noexcept
+    destructor and the process aborts ("terminate called without an active
+    exception"; seen when startup failed right after the warm-up)."""
+    task = f"/proc/self/task/{thread.native_id}"
+    deadline = time.monotonic() + timeout
+    while os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _discard(_event: Event) -> None:
@@ -128,6 +142,8 @@ class Engine:
         self.inbox.post(Stop())
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            _wait_for_os_exit(self._thread)
 
     def drain(self, reason: str = SHUTTING_DOWN) -> None:
         """Refuse new requests (503) while those already submitted run to the end."""
