@@ -214,6 +214,24 @@ REAL_SCHEMES: dict[str, tuple[str, dict]] = {
                   "full": _s(4, 4, kg=128, vg=128, krot=True, vrot=True)}),
     "gemma: windows 4-bit g128 + rot, full exact": (
         "gemma", {"sliding": _s(4, 4, kg=128, vg=128, krot=True, vrot=True), "full": FP}),
+    # per-token window keys with a fixed per-channel basis (values and full layers exact)
+    "gemma keys: windows K4 g64": ("gemma keys", {"sliding": _s(4, None), "full": FP}),
+    "gemma keys: windows K4 g64 + rot": (
+        "gemma keys", {"sliding": _s(4, None, krot=True), "full": FP}),
+    "gemma keys: windows K4 g64, scaled by k_norm": (
+        "gemma keys", {"sliding": _s(4, None, kbasis="knorm"), "full": FP}),
+    "gemma keys: windows K4 g64 + rot, scaled by k_norm": (
+        "gemma keys", {"sliding": _s(4, None, kbasis="knorm", krot=True), "full": FP}),
+    "gemma keys: windows K4 g64, scaled by first chunk's max": (
+        "gemma keys", {"sliding": _s(4, None, kbasis="absmax"), "full": FP}),
+    "gemma keys: windows K4 g64 + rot, scaled by first chunk's max": (
+        "gemma keys", {"sliding": _s(4, None, kbasis="absmax", krot=True), "full": FP}),
+    "gemma keys: windows K4 g64, less first chunk's mean": (
+        "gemma keys", {"sliding": _s(4, None, kbasis="mean"), "full": FP}),
+    "gemma keys: windows K4 g64 + rot, less first chunk's mean": (
+        "gemma keys", {"sliding": _s(4, None, kbasis="mean", krot=True), "full": FP}),
+    "gemma keys: windows K4 ch G128, 16-bit exact": (
+        "gemma keys", {"sliding": _s(4, None, kg=128, kmode="channel", x16=True), "full": FP}),
 }  # fmt: skip
 
 
@@ -281,10 +299,12 @@ class FakeQuantCache(mlx_cache.KVCache):
     tokens follow them, in whole groups of `G` tokens for per-channel keys
     (one token at a time otherwise); the first `S` tokens never move."""
 
-    def __init__(self, scheme: dict, rope=None):
+    def __init__(self, scheme: dict, attn=None):
         super().__init__()
         self.s = scheme
-        self.rope = rope
+        self.attn = attn
+        self.rope = getattr(attn, "rope", None)
+        self.basis = None  # (shift, scale) per head and channel, fixed at the first keys
         self.qk = self.qv = self.rk = self.rv = None
         self.sink_k = self.sink_v = None
         self.moved = 0  # tokens before the tail (sinks and quantized)
@@ -305,7 +325,32 @@ class FakeQuantCache(mlx_cache.KVCache):
             return self.rope(q(pre), offset=first)
         if s.get("kout"):
             return with_outliers_exact(q, k, s["kout"])
+        if s.get("kbasis"):
+            shift, scale = self._basis(k)
+            return q((k - shift) / scale) * scale + shift
         return q(k)
+
+    def _basis(self, k: mx.array) -> tuple[mx.array, mx.array]:
+        """A fixed per-channel shift and scale, from the first keys the layer
+        sees (`mean`: less their mean, which moves every score of a query
+        alike; `absmax`: over their largest magnitude, RoPE pairs alike) or
+        from the weights (`knorm`: over Gemma's k_norm weight, 1 + w)."""
+        if self.basis is None:
+            how = self.s["kbasis"]
+            shift, scale = mx.zeros((1, 1, 1, k.shape[-1])), mx.ones((1, 1, 1, k.shape[-1]))
+            if how == "mean":
+                shift = k.mean(axis=2, keepdims=True)
+            else:
+                w = (
+                    mx.abs(1 + self.attn.k_norm.weight)
+                    if how == "knorm"
+                    else mx.abs(k).max(2, keepdims=True)
+                )
+                h = w.shape[-1] // 2  # non-traditional RoPE pairs i and i + d/2
+                w = mx.concatenate([mx.maximum(w[..., :h], w[..., h:])] * 2, axis=-1)
+                scale = mx.maximum(w, w.mean() / 8)
+            self.basis = (shift, scale)
+        return self.basis
 
     def update_and_fetch(self, keys, values):
         s = self.s
@@ -349,10 +394,9 @@ class FakeQuantCache(mlx_cache.KVCache):
         return k.astype(keys.dtype), v.astype(values.dtype)
 
 
-def _rope_of(model, i: int):
+def _attention_of(model, i: int):
     layers = getattr(getattr(model, "model", model), "layers", [])
-    attn = getattr(layers[i], "self_attn", None) if i < len(layers) else None
-    return getattr(attn, "rope", None)
+    return getattr(layers[i], "self_attn", None) if i < len(layers) else None
 
 
 def make_caches(model, scheme: dict) -> list:
@@ -366,7 +410,7 @@ def make_caches(model, scheme: dict) -> list:
             s = scheme if i in scheme["layers"] else exact
         else:
             s = scheme
-        out.append(FakeQuantCache(s, _rope_of(model, i)))
+        out.append(FakeQuantCache(s, _attention_of(model, i)))
     return out
 
 
