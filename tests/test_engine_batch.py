@@ -122,7 +122,10 @@ def test_conversation_reuses_the_cached_prefix(engine, loaded):
     first = submit(engine, turn1, max_tokens=6).wait()
     turn2 = turn1 + first.tokens + tokenizer.encode(" User: and tomorrow?")
     second = submit(engine, turn2, max_tokens=6).wait()
-    assert second.end.usage.cached_tokens == len(turn1) + len(first.tokens)
+    # the first answer ended by its limit: no step ran past its last token, so
+    # the cache holds all of the turn but that token's K/V
+    assert first.end.reason == "length"
+    assert second.end.usage.cached_tokens == len(turn1) + len(first.tokens) - 1
     assert second.end.usage.prompt_tokens == len(turn2)
     stats = engine.prompt_cache.stats()
     assert stats.hits >= 1 and stats.nbytes > 0

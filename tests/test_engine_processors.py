@@ -162,33 +162,53 @@ def test_a_failing_processor_fails_only_its_request(engine, loaded, monkeypatch)
     assert engine.alive and engine.readiness.ready
 
 
-def test_a_sampler_error_after_the_last_token_fails_no_later_request(engine, loaded, monkeypatch):
-    """The batch samples one token ahead: a shared sampler that raises while
-    drawing the unused token after a request's last one must not fail the
-    next request with the same settings."""
-    path, _, tokenizer = loaded
+def counting_sampler(monkeypatch, raise_at: int | None = None) -> list:
+    """Make every sampler count its draws (the list returned), raising at draw `raise_at`."""
     real = sampling.make_sampler
-    calls = []
+    calls: list = []
 
     def make(**kw):
         inner = real(**kw)
 
         def sample(logprobs):
             calls.append(1)
-            if len(calls) == 3:  # the draw after the second (last) token of the first request
+            if len(calls) == raise_at:
                 raise RuntimeError("sampler exploded")
             return inner(logprobs)
 
         return sample
 
     monkeypatch.setattr(sampling, "make_sampler", make)
+    return calls
+
+
+def test_a_sampler_error_after_the_last_token_fails_no_later_request(engine, loaded, monkeypatch):
+    """The batch samples one token ahead, unless every row ends by its limit:
+    a shared sampler that raises while drawing the unused token after a
+    request's last one (a stop string ends it, which the batch cannot know)
+    must not fail the next request with the same settings."""
+    path, _, tokenizer = loaded
+    calls = counting_sampler(monkeypatch, raise_at=3)
     tokens = prompt(tokenizer, "What does the clock say?")
-    first = submit(engine, tokens, params(path, {}, temperature=0.013, max_tokens=2))
-    assert isinstance(first.wait().end, FinishEvent) and first.text == "ticktock"
-    assert len(calls) == 3
+    first = submit(engine, tokens, params(path, {}, temperature=0.013, stop=("tock",)))
+    assert isinstance(first.wait().end, FinishEvent) and first.text == "tick"
+    assert first.end.reason.value == "stop" and len(calls) == 3
     second = submit(engine, tokens, params(path, {}, temperature=0.013))
     assert isinstance(second.wait().end, FinishEvent), second.end
     assert second.text == LOOP
+
+
+def test_rows_ending_by_their_limit_draw_nothing_ahead(engine, loaded, monkeypatch):
+    """When every row of the batch ends with the current token by its
+    `max_tokens`, no step is computed past it (a forward nobody would use,
+    which the next request would wait behind): one draw per token."""
+    path, _, tokenizer = loaded
+    calls = counting_sampler(monkeypatch)
+    tokens = prompt(tokenizer, "What does the clock say?")
+    # a temperature no other test uses: the engine keeps one sampler per setting
+    done = submit(engine, tokens, params(path, {}, temperature=0.017, max_tokens=2)).wait()
+    assert done.text == "ticktock" and done.end.reason.value == "length"
+    assert len(calls) == 2
 
 
 def test_grammars_constrain_the_answer(engine, loaded):

@@ -47,6 +47,7 @@ from mlx_kvq.mlx_lm_internals import (
     decoding_caches,
     pending_token,
     prompt_chunks,
+    skip_last_step_ahead,
 )
 
 from .scheduler import Sequence
@@ -203,6 +204,7 @@ class BatchRunner:
             prefill_batch_size=self.options.prompt_rows,
             prefill_step_size=self.options.prefill_step,
         )
+        skip_last_step_ahead(self._bg)
 
     def close(self) -> None:
         """Drop the batch, after the work it queued has run: evaluation left
