@@ -576,8 +576,8 @@ def markdown(out: dict) -> list[str]:
         f"{_loads(out.get('load_average_end'))} at the end. A ratio is the median of the "
         f"per-round ratios to {base} (min-max in parentheses).",
         "",
-        f"Startup: each server alone, {out['startup'][base]['ready']['n']} times, in "
-        "alternating order; medians (min-max).",
+        f"Startup: each server alone, started {_times(out['startup'][base]['ready']['n'])}, "
+        "in alternating order; medians (min-max).",
         "",
         "| arm | command | ready s | first answer s | BLAS |",
         "|---|---|---|---|---|",
@@ -628,6 +628,10 @@ def markdown(out: dict) -> list[str]:
         lines.append("- the servers counted different prompt tokens for the same prompts")
     lines.append("")
     return lines
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
 
 
 def _loads(x) -> str:
