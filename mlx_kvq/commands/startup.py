@@ -16,7 +16,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,32 +129,23 @@ def tokenizer_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load_model(source: ModelSource, args: argparse.Namespace) -> tuple[Any, Any]:
-    """(model, tokenizer) as mlx-lm's `load` makes them, adapters applied; a
-    failure names the model (and the adapter). A model on disk loads its
-    tokenizer apart from its weights (`serve` warms up between the two).
+    """(model, tokenizer) as mlx-lm's `load` makes them (a hub repo id fetched
+    first), adapters applied; a failure names the model (and the adapter).
+    `serve` loads the two apart, warming up between them.
 
     `--trust-remote-code` reaches the model too (custom `model_file`
     architectures), as in mlx_lm.server.
     """
-    if source.local_config is not None:
-        return load_weights(source, args), load_tokenizer(source, args)
-    from mlx_lm import load  # a hub repo id: mlx-lm's load fetches it
+    if source.local_config is None:
+        from ..mlx_lm_internals import local_model
 
-    try:
-        model, tokenizer = load(
-            source.location,
-            adapter_path=source.adapter_path,
-            tokenizer_config=tokenizer_config(args),
-            trust_remote_code=getattr(args, "trust_remote_code", False),
-        )
-    except Exception as e:  # noqa: BLE001 - any load failure is a bad --model
-        raise ValueError(
-            f"could not load the model from {_what(source)}: {type(e).__name__}: {e}"
-        ) from e
-    if getattr(args, "use_default_chat_template", False):
-        use_default_chat_template(tokenizer)
-    prepare_compute(model, args)
-    return model, tokenizer
+        try:
+            source = replace(source, location=str(local_model(source.location)))
+        except Exception as e:  # noqa: BLE001 - any fetch failure is a bad --model
+            raise ValueError(
+                f"could not load the model from {source.location}: {type(e).__name__}: {e}"
+            ) from e
+    return load_weights(source, args), load_tokenizer(source, args)
 
 
 def load_weights(source: ModelSource, args: argparse.Namespace) -> Any:
