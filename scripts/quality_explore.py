@@ -232,6 +232,12 @@ REAL_SCHEMES: dict[str, tuple[str, dict]] = {
         "gemma keys", {"sliding": _s(4, None, kbasis="mean", krot=True), "full": FP}),
     "gemma keys: windows K4 ch G128, 16-bit exact": (
         "gemma keys", {"sliding": _s(4, None, kg=128, kmode="channel", x16=True), "full": FP}),
+    # one sliding layer of Gemma 3 270M at a time (layers 5, 11, 17 are full attention)
+    **{
+        f"gemma layer {i}: K4/V4 g64 + rot, every other layer exact": (
+            "gemma layer", {"layers": [i], **_s(4, 4, krot=True, vrot=True)})
+        for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16)
+    },
 }  # fmt: skip
 
 
