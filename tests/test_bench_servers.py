@@ -66,3 +66,14 @@ def test_a_prompt_past_the_models_context_is_refused_before_any_server_starts(tm
     assert rc == 2 and "--server-long" in captured.err
     assert "max_position_embeddings" in captured.err
     assert "starting" not in captured.out  # refused before any server
+
+
+def test_no_timed_start_is_refused_before_any_server_starts(tmp_path, capsys):
+    rc = main(
+        ["bench", "--sections", "servers", "--model", "demo:gemma", "--server-starts", "0",
+         "--server-long", "0", "--server-mixed", "0,0,0",
+         "--no-plots", "--out", str(tmp_path)]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert rc == 2 and "--server-starts must be at least 1" in captured.err
+    assert "alone" not in captured.out
