@@ -38,6 +38,7 @@ import numpy as np
 
 from .blas import fast_float32_products
 from .kernels import causal_softmax, channel_scores, native_status, packed_scores, packed_weighted
+from .kernels import log_softmax as native_log_softmax
 from .kernels import paged_attention as native_paged_attention
 from .kernels import paged_split_attention as native_paged_split_attention
 from .quant import PagedKV, PagedSplitKV, QuantizedKV, SplitKV, SplitRows, rotate
@@ -120,6 +121,16 @@ def current_backend() -> Backend:
 
 def _on_cpu() -> bool:
     return current_backend() is Backend.CPU
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    """`logits - logsumexp(logits)` over the last axis, as mlx-lm's batch step
+    normalizes its logits: float32 rows on the CPU through the native kernel
+    (MLX's CPU exp is scalar: 42 ms against 2.7 ms for 16 rows of Gemma 3's
+    262,144 logits, and less exact), MLX's operations otherwise."""
+    if logits.ndim == 2 and logits.dtype == mx.float32 and _native():
+        return native_log_softmax(logits)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _native() -> bool:

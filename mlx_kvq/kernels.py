@@ -9,7 +9,8 @@ needs, and what MLX's CPU `quantized_matmul` does slowly (scalar code that
 re-reads the packed matrix for every row); and a softmax under a causal mask
 given by positions (`causal_softmax`), what prefill needs between its two
 products, where MLX's CPU softmax computes exp one element at a time
-(5-8x slower). They are used only on the CPU, only
+(5-8x slower); and the log-softmax of logits rows (`log_softmax`), which
+every decode step takes over the vocabulary. They are used only on the CPU, only
 when the module was built against the running MLX version (MLX's C++ API has
 no stable ABI) and only after a self-check against `mx.dequantize` passed;
 otherwise attention keeps MLX's operations, and `native_status()` says why.
@@ -85,6 +86,10 @@ def _self_check(module) -> str | None:
         want = mx.softmax(logits, axis=-1)[..., 1:] if with_sinks else mx.softmax(logits, axis=-1)
         if not mx.allclose(got, want, atol=1e-5, rtol=1e-4).item():
             return f"causal softmax self-check failed (window {window}, sinks {with_sinks})"
+    logits = 8 * mx.random.normal((3, 1003), key=mx.random.key(3))
+    want = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if not mx.allclose(module.log_softmax(logits), want, atol=1e-4, rtol=1e-5).item():
+        return "log-softmax self-check failed"
     return None
 
 
@@ -155,6 +160,11 @@ def causal_softmax(
         sinks.reshape(-1) if has_sinks else mx.zeros((1,)),
         rows, window, n_rep, has_sinks,
     )  # fmt: skip
+
+
+def log_softmax(x: mx.array) -> mx.array:
+    """float32 log-softmax of each row of `x` (N, V)."""
+    return _module.log_softmax(x)
 
 
 def paged_attention(

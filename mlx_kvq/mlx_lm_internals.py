@@ -6,7 +6,7 @@ this is the only file to change.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,18 +79,26 @@ def chunk_limit(generator: BatchGenerator, tokens: int) -> Iterator[None]:
         generator.prefill_step_size = step
 
 
-class _LastStepAware(GenerationBatch):
-    """mlx-lm 0.32.2's `GenerationBatch`, without the step ahead when every
-    row ends with this step's token by its token limit.
+class _DecodingBatch(GenerationBatch):
+    """mlx-lm 0.32.2's `GenerationBatch` with two changes to its step.
 
-    Its `next` returns the tokens sampled last step after `_step` has run
-    the model on them (their K/V into the cache) and sampled the next ones:
-    a forward no row uses when all of them end now, and one the next
-    request waits behind (about 0.1 s on Gemma 3 270M). Here that last step
-    returns the tokens alone; the rows' caches and `tokens` then end before
-    the last token, which the prompt cache keeps them as."""
+    - No step ahead when every row ends with this step's token by its token
+      limit. `next` returns the tokens sampled last step after `_step` has
+      run the model on them (their K/V into the cache) and sampled the next
+      ones: a forward no row uses when all of them end now, and one the next
+      request waits behind (about 0.1 s on Gemma 3 270M). That last step
+      returns the tokens alone; the rows' caches and `tokens` then end before
+      the last token, which the prompt cache keeps them as.
+    - The logits are normalized by `log_softmax` (a faster one where there
+      is: MLX's CPU exp is scalar, and a step normalizes rows x vocabulary).
+
+    Otherwise `_step` does what mlx-lm's does: the model on the tokens
+    sampled last step, each row's logits processors, one sampler call when
+    the rows share one, the next tokens started asynchronously, then the
+    current ones evaluated and appended to `tokens`."""
 
     _last = False
+    log_softmax: Callable[[mx.array], mx.array]  # set by `decode_with`
 
     def next(self):
         self._last = bool(self.uids) and all(
@@ -98,21 +106,50 @@ class _LastStepAware(GenerationBatch):
         )
         return super().next()
 
-    def _step(self):
-        if not self._last:
-            return super()._step()
-        self._last = False
-        tokens, logprobs = self._next_tokens, self._next_logprobs
-        mx.eval(tokens, logprobs)
-        return tokens.tolist(), logprobs
+    def _step(self) -> tuple[list[int], list[mx.array]]:
+        current, current_logprobs = self._next_tokens, self._next_logprobs
+        self._current_tokens, self._current_logprobs = current, current_logprobs
+        if self._last:
+            self._last = False
+            mx.eval(current, current_logprobs)
+            return current.tolist(), current_logprobs
+        logits = self.model(current[:, None], cache=self.prompt_cache)[:, -1, :]
+        contexts = []
+        if any(self.logits_processors):
+            rows = []
+            for e, processors in enumerate(self.logits_processors):
+                row = logits[e : e + 1]
+                if processors:
+                    context = self._token_context[e].update_and_fetch(current[e : e + 1])
+                    contexts.append(context)
+                    for processor in processors:
+                        row = processor(context, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        logprobs = self.log_softmax(logits)
+        given = self.samplers or [None] * len(self.uids)
+        samplers = [self.fallback_sampler if s is None else s for s in given]
+        if all(s is samplers[0] for s in samplers):
+            sampled = samplers[0](logprobs)
+        else:
+            sampled = mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(samplers)])
+        self._next_tokens, self._next_logprobs = sampled, list(logprobs)
+        mx.async_eval(self._next_tokens, self._next_logprobs, contexts)
+        mx.eval(current, current_logprobs)
+        tokens = current.tolist()
+        for held, token in zip(self.tokens, tokens, strict=True):
+            held.append(token)
+        return tokens, current_logprobs
 
 
-def skip_last_step_ahead(generator: BatchGenerator) -> None:
-    """Make `generator`'s decoding batch compute no step ahead when all its
-    rows end with the current one (`_LastStepAware`). mlx-lm 0.32.2 keeps
-    one `GenerationBatch` for the generator's life (`_generation_batch`,
-    grown by `extend`); only this generator's changes."""
-    generator._generation_batch.__class__ = _LastStepAware
+def decode_with(generator: BatchGenerator, log_softmax: Callable[[mx.array], mx.array]) -> None:
+    """Make `generator`'s decoding batch a `_DecodingBatch` normalizing with
+    `log_softmax`. mlx-lm 0.32.2 keeps one `GenerationBatch` for the
+    generator's life (`_generation_batch`, grown by `extend`); only this
+    generator's changes."""
+    batch = generator._generation_batch
+    batch.__class__ = _DecodingBatch
+    batch.log_softmax = log_softmax
 
 
 def pending_token(generator: BatchGenerator, uid: int) -> tuple[int, mx.array] | None:

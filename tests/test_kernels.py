@@ -10,6 +10,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
+from kvq_testing.helpers import tiny_model
 
 from mlx_kvq import attention, kernels
 from mlx_kvq.config import QuantSpec
@@ -243,3 +244,56 @@ def test_fallbacks_say_why(monkeypatch):
     monkeypatch.setattr(kernels, "_status", None)
     monkeypatch.setattr(kernels.importlib, "import_module", missing)
     assert "not built" in kernels.native_status().reason
+
+
+@linux
+def test_log_softmax_rows_are_closer_to_float64_than_mlx():
+    """The log-softmax every decode step takes over the vocabulary: rows of
+    odd width (a vector tail), a row of equal logits, very negative ones;
+    within float32 rounding of the float64 result, and no further from it
+    than MLX's own `x - logsumexp(x)`."""
+    rng = np.random.default_rng(11)
+    x = (6 * rng.standard_normal((5, 49_157))).astype(np.float32)
+    x[1] = 3.0
+    x[2, ::2] = -1e4
+    got = np.array(attention.log_softmax(mx.array(x)))
+    mlx = np.array(mx.array(x) - mx.logsumexp(mx.array(x), axis=-1, keepdims=True))
+    xd = x.astype(np.float64)
+    top = xd.max(-1, keepdims=True)
+    want = xd - (top + np.log(np.exp(xd - top).sum(-1, keepdims=True)))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-6)
+    assert np.abs(got - want).max() <= np.abs(mlx - want).max()
+    np.testing.assert_allclose(got[1], -np.log(49_157), rtol=1e-6)
+
+
+@linux
+def test_decode_steps_normalize_through_the_native_log_softmax(monkeypatch):
+    """The engine's batch (mlx-lm's BatchGenerator, its decoding batch ours)
+    normalizes each step's logits with the native kernel on the CPU, and
+    decodes what mlx-lm's own batch decodes."""
+    from mlx_lm.generate import BatchGenerator
+
+    from mlx_kvq import mlx_lm_internals
+    from mlx_kvq.engine import runner
+
+    model = tiny_model("llama")
+    prompts = [[5, 9, 13, 2, 7], [3, 3, 8]]
+
+    def decode(ours: bool) -> list[list[int]]:
+        bg = BatchGenerator(model)
+        if ours:
+            mlx_lm_internals.decode_with(bg, runner.log_softmax)
+        uids = bg.insert(prompts, max_tokens=[6, 6])
+        out = {u: [] for u in uids}
+        while any(len(v) < 6 for v in out.values()):
+            for r in bg.next()[1]:
+                out[r.uid].append(r.token)
+        return [out[u] for u in uids]
+
+    calls = []
+    inner = kernels.log_softmax
+    monkeypatch.setattr(
+        attention, "native_log_softmax", lambda x: calls.append(x.shape) or inner(x)
+    )
+    assert decode(True) == decode(False)
+    assert calls and all(shape[0] in (1, 2) for shape in calls)

@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, generation_stream
 from mlx_lm.sample_utils import greedy_sampler
 
+from mlx_kvq.attention import log_softmax
 from mlx_kvq.caches import (
     KVQWindowCache,
     Pages,
@@ -44,10 +45,10 @@ from mlx_kvq.config import AUTO_BLOCK_SIZE, PAGED_BLOCK_SIZE, UnsupportedKVConfi
 from mlx_kvq.mlx_lm_internals import (
     batch_caches,
     chunk_limit,
+    decode_with,
     decoding_caches,
     pending_token,
     prompt_chunks,
-    skip_last_step_ahead,
 )
 
 from .scheduler import Sequence
@@ -204,7 +205,7 @@ class BatchRunner:
             prefill_batch_size=self.options.prompt_rows,
             prefill_step_size=self.options.prefill_step,
         )
-        skip_last_step_ahead(self._bg)
+        decode_with(self._bg, log_softmax)
 
     def close(self) -> None:
         """Drop the batch, after the work it queued has run: evaluation left

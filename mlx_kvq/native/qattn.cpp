@@ -1254,6 +1254,43 @@ mx::array causal_softmax(const mx::array& scores, const mx::array& shift, const 
                     c(mx::astype(sinks, mx::float32, s))});
 }
 
+// Log-softmax of each row of a (N, V) float32 matrix: the normalization of
+// the logits in every decode step of mlx-lm's batch, over vocabularies of
+// 10^5 entries per row, where MLX's CPU exp is scalar (~9 ns an element:
+// 49 ms of a 244 ms step at 16 rows of Gemma 3's 262,144 logits).
+
+KVQ_CLONES void log_softmax_row(const float* s, float* o, int V) {
+  float best = range_max(s, 0, V);
+  float shift = best + std::log(exp_range(s, o, V, 0, V, best));  // o: scratch
+  f8 sh = (f8){} + shift;
+  int i = 0;
+  for (; i + 8 <= V; i += 8) store8(o + i, load8(s + i) - sh);
+  for (; i < V; ++i) o[i] = s[i] - shift;
+}
+
+struct RowsParams {
+  int unused;
+};
+
+void run_log_softmax(const RowsParams&, const std::vector<mx::array>& in, mx::array& out) {
+  const mx::array& x = in[0];
+  int N = x.shape(0), V = x.shape(1);
+  const float* xb = x.data<float>();
+  float* ob = out.data<float>();
+  parallel_for(N, int64_t(N) * V / 8, [&](int r) {
+    log_softmax_row(xb + size_t(r) * V, ob + size_t(r) * V, V);
+  });
+}
+
+mx::array log_softmax(const mx::array& x) {
+  auto s = mx::default_stream(mx::Device::cpu);
+  if (x.ndim() != 2) throw std::invalid_argument("kvq native: log_softmax of (N, V) rows");
+  auto kernel = std::make_shared<CpuKernel<RowsParams>>(s, RowsParams{0}, run_log_softmax,
+                                                        "KvqLogSoftmax");
+  return mx::array(x.shape(), mx::float32, kernel,
+                   {mx::contiguous(mx::astype(x, mx::float32, s), false, s)});
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -1288,4 +1325,5 @@ NB_MODULE(_native, m) {
         "window"_a, "n_rep"_a, "has_sinks"_a,
         "float32 softmax of scores (B, H, n_rep * rows, S) under a causal mask by positions: "
         "row r sees key slots (shift + m - window, shift + m], m = r % rows");
+  m.def("log_softmax", &log_softmax, "x"_a, "float32 log-softmax of each row of x (N, V)");
 }
