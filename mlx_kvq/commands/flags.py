@@ -23,7 +23,7 @@ from ..config import (
     SUPPORTED_GROUP_SIZES,
     KVConfig,
 )
-from ..defaults import resolve_widths
+from ..defaults import DEFAULT_KV_CONFIG, resolve_widths
 from ..engine.disk import DEFAULT_DISK_BYTES
 from ..sampling_params import DEFAULT_MAX_TOKENS, SamplingError, SamplingParams
 from ..server.settings import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RESPONSE_STORE_BYTES, ToolFormat
@@ -200,9 +200,9 @@ def add_kv_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-bits",
         type=_bits,
         default=None,
-        help="bits for keys and values (2,3,4,5,6,8; 0: unquantized); "
-        "default: mlx_kvq/defaults.py (4-bit keys, 3-bit values, rotation, 8-bit "
-        "bounded layers)",
+        help="bits for keys and values (2,3,4,5,6,8; 0: unquantized); default: "
+        f"mlx_kvq/defaults.py ({DEFAULT_KV_CONFIG.describe()}; windows only with a "
+        "bounded layer)",
     )
     g.add_argument(
         "--kv-group-size",
