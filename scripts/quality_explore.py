@@ -157,7 +157,9 @@ SCHEMES: dict[str, tuple[str, dict]] = {
 # exact (attention sinks); `R`: the last R exact (residual); `x16`: the exact
 # parts held in 16 bits (float16), as a real layout holds them; `prerope`: keys
 # quantized before RoPE (KVQuant); `kout`: that many key channels per head
-# exact, the largest of each group of tokens (outliers kept apart).
+# exact, the largest of each group of tokens (outliers kept apart); `tail8` /
+# `tailfp8`: the exact parts held at 8 bits per token (g64) / as fp8 (e4m3,
+# scaled per 64 channels) instead; `nuq`: non-uniform levels (`nuq_levels`).
 _K = {"vb": None}
 REAL_SCHEMES: dict[str, tuple[str, dict]] = {
     "K8, values exact": ("real keys", _s(8, None)),
@@ -232,6 +234,90 @@ REAL_SCHEMES: dict[str, tuple[str, dict]] = {
         "gemma keys", {"sliding": _s(4, None, kbasis="mean", krot=True), "full": FP}),
     "gemma keys: windows K4 ch G128, 16-bit exact": (
         "gemma keys", {"sliding": _s(4, None, kg=128, kmode="channel", x16=True), "full": FP}),
+    # every window per token at other widths (rotated), full layers exact or K4/V3 split;
+    # `tail8`: the exact tail held at 8 bits per token (g64, rotated as the body)
+    **{
+        f"gemma windows: K{kb}/V{vb} g{g} + rot{f', last {r} at 8-bit' if r else ''}, full {fn}": (
+            "gemma windows", {"sliding": _s(kb, vb, kg=g, vg=g, krot=True, vrot=True, R=r, tail8=True),
+                              "full": full})
+        for kb, vb, g, r in ((5, 5, 64, 0), (5, 5, 128, 0), (6, 6, 128, 0), (6, 4, 64, 0),
+                             (4, 4, 64, 64), (4, 4, 64, 32), (4, 3, 64, 64), (5, 5, 128, 32))
+        for fn, full in (("exact", FP),
+                         ("K4/V3 ch G128 + rot, 4 sinks, last 128",
+                          _s(4, 3, kg=128, kmode="channel", krot=True, vrot=True, S=4, R=128,
+                             x16=True)))
+    },
+    # windows' keys per channel with the tail (partial group and last R) at 8 bits per token
+    **{
+        f"gemma windows ch: K{kb} ch G{g} / V{vb} g64, last {r} + partial group at {x}, full exact": (
+            "gemma windows ch", {"sliding": _s(kb, vb, kg=g, kmode="channel", R=r,
+                                               **({"tail8": True} if x == "8-bit" else {"x16": True})),
+                                 "full": FP})
+        for kb, vb, g, r, x in ((4, 4, 128, 0, "8-bit"), (4, 4, 128, 64, "8-bit"),
+                                (4, 4, 128, 128, "8-bit"), (4, 4, 64, 64, "8-bit"),
+                                (4, 4, 32, 32, "8-bit"), (4, 4, 128, 64, "16-bit"),
+                                (4, 3, 128, 128, "8-bit"), (5, 4, 128, 64, "8-bit"))
+    },
+    # both kinds with their tails at 8 bits per token (full layers: 4 sinks too)
+    **{
+        f"gemma tail8: windows K{wk}/V{wv} ch G128 last {wr}, full K{fk}/V{fv} ch G128{' + rot' if rot else ''} last {fr}": (
+            "gemma tail8", {"sliding": _s(wk, wv, kg=128, kmode="channel", R=wr, tail8=True),
+                            "full": _s(fk, fv, kg=128, kmode="channel", krot=rot, vrot=rot, S=4,
+                                       R=fr, tail8=True)})
+        for wk, wv, wr, fk, fv, fr, rot in ((5, 4, 64, 4, 3, 128, True), (5, 4, 64, 4, 3, 128, False),
+                                             (5, 5, 64, 4, 3, 128, False), (6, 4, 64, 4, 3, 128, False),
+                                             (5, 4, 32, 4, 3, 128, False), (5, 4, 64, 4, 3, 64, False),
+                                             (5, 4, 64, 4, 4, 128, False), (6, 5, 64, 4, 3, 64, False))
+    },
+    **{
+        f"tail8: K{kb}/V{vb} ch G128 + rot, 4 sinks, last {r} at {x}": (
+            "real tail8", _s(kb, vb, kg=128, kmode="channel", krot=True, vrot=True, S=4, R=r,
+                             **({"tail8": True} if x == "8-bit" else {"x16": True})))
+        for kb, vb, r, x in ((4, 4, 128, "8-bit"), (4, 4, 128, "16-bit"), (4, 3, 128, "8-bit"),
+                             (4, 4, 64, "8-bit"), (5, 3, 128, "8-bit"))
+    },
+    # the tail held as fp8 (e4m3) scaled per 64 channels
+    "fp8 tail: K4/V4 ch G128 + rot, 4 sinks, last 128": (
+        "real fp8", _s(4, 4, kg=128, kmode="channel", krot=True, vrot=True, S=4, R=128, tailfp8=True)),
+    "fp8 tail: K4/V3 ch G128 + rot, 4 sinks, last 128": (
+        "real fp8", _s(4, 3, kg=128, kmode="channel", krot=True, vrot=True, S=4, R=128, tailfp8=True)),
+    "fp8 tail: K4/V4 ch G128, 4 sinks, last 128": (
+        "real fp8", _s(4, 4, kg=128, kmode="channel", S=4, R=128, tailfp8=True)),
+    **{
+        f"gemma fp8 tail: windows K{wk}/V{wv} ch G128 last {wr}, full K4/V3 ch G128 last {fr}": (
+            "gemma fp8", {"sliding": _s(wk, wv, kg=128, kmode="channel", R=wr, tailfp8=True),
+                          "full": _s(4, 3, kg=128, kmode="channel", S=4, R=fr, tailfp8=True)})
+        for wk, wv, wr, fr in ((6, 4, 64, 128), (5, 4, 64, 128), (4, 4, 64, 128), (5, 5, 64, 128))
+    },
+    **{
+        f"gemma best: windows K{wk}/V{wv} ch G128 last 64 at 8-bit, full K4/V3 ch G128, 4 sinks, last 128 at {x}": (
+            "gemma best", {"sliding": _s(wk, wv, kg=128, kmode="channel", R=64, tail8=True),
+                           "full": _s(4, 3, kg=128, kmode="channel", S=4, R=128,
+                                      **({"tail8": True} if x == "8-bit" else {"x16": True}))})
+        for wk, wv, x in ((6, 4, "8-bit"), (6, 4, "16-bit"), (6, 5, "8-bit"))
+    },
+    "gemma best nuq: windows K6/V4 ch G128 last 64 at 8-bit, full K4/V3 ch G128, 4 sinks, last 128 at 8-bit, levels eps 0.06": (
+        "gemma best nuq", {"sliding": _s(6, 4, kg=128, kmode="channel", R=64, tail8=True, nuq=0.06),
+                           "full": _s(4, 3, kg=128, kmode="channel", S=4, R=128, tail8=True, nuq=0.06)}),
+    # non-uniform levels (normal quantiles between eps and 1 - eps) in every group
+    **{
+        f"nuq: K4/V3 ch G128 + rot, 4 sinks, last 128, 16-bit exact, eps {e}": (
+            "real nuq", _s(4, 3, kg=128, kmode="channel", krot=True, vrot=True, S=4, R=128,
+                           x16=True, nuq=e))
+        for e in (None, 0.06, 0.1)
+    },
+    **{
+        f"gemma nuq: K4/V4 ch G128, 4 sinks, last 64, 16-bit exact, eps {e}": (
+            "gemma nuq", _s(4, 4, kg=128, kmode="channel", S=4, R=64, x16=True, nuq=e))
+        for e in (None, 0.06, 0.1)
+    },
+    # the windows' per-channel keys quantized before RoPE (KVQuant)
+    **{
+        f"gemma prerope: windows K4 ch G128{' pre-RoPE' if pre else ''} / V4 g64, last 64, 16-bit exact, full exact": (
+            "gemma prerope", {"sliding": _s(4, 4, kg=128, kmode="channel", R=64, x16=True,
+                                            prerope=pre), "full": FP})
+        for pre in (False, True)
+    },
     # one sliding layer of Gemma 3 270M at a time (layers 5, 11, 17 are full attention)
     **{
         f"gemma layer {i}: K4/V4 g64 + rot, every other layer exact": (
@@ -246,11 +332,22 @@ def rot(x: mx.array) -> mx.array:
     return mx.hadamard_transform(x, scale=1.0 / math.sqrt(x.shape[-1]))
 
 
-def affine(x: mx.array, bits: int, g: int) -> mx.array:
+def nuq_levels(bits: int, eps: float) -> mx.array:
+    """2**bits levels in [0, 1], the ends included, spaced as the quantiles of
+    a normal distribution between eps and 1 - eps (denser in the middle)."""
+    from statistics import NormalDist
+
+    n = 2**bits
+    z = [NormalDist().inv_cdf(eps + (1 - 2 * eps) * i / (n - 1)) for i in range(n)]
+    return mx.array([0.5 + 0.5 * v / z[-1] for v in z])
+
+
+def affine(x: mx.array, bits: int, g: int, nuq: float | None = None) -> mx.array:
     """Quantize-dequantize along the last axis in groups of `g`: `mx.quantize`
     with 16-bit scales and biases where it applies, the same affine rule
-    (min/max per group) otherwise."""
-    if g in (32, 64, 128) and x.shape[-1] % g == 0:
+    (min/max per group) otherwise; with `nuq`, the levels between a group's
+    min and max are `nuq_levels(bits, nuq)` instead of evenly spaced."""
+    if nuq is None and g in (32, 64, 128) and x.shape[-1] % g == 0:
         w, s, b = mx.quantize(x, group_size=g, bits=bits)
         s = s.astype(mx.float16).astype(mx.float32)
         b = b.astype(mx.float16).astype(mx.float32)
@@ -258,23 +355,30 @@ def affine(x: mx.array, bits: int, g: int) -> mx.array:
     shape = x.shape
     y = x.reshape(*shape[:-1], shape[-1] // g, g)
     lo, hi = y.min(-1, keepdims=True), y.max(-1, keepdims=True)
+    if nuq is not None:
+        lo = lo.astype(mx.float16).astype(mx.float32)
+        span = mx.maximum(hi - lo, 1e-8).astype(mx.float16).astype(mx.float32)
+        lv = nuq_levels(bits, nuq)
+        u = (y - lo) / span
+        i = mx.argmin(mx.abs(u[..., None] - lv), axis=-1)
+        return (lv[i] * span + lo).reshape(shape)
     n = 2**bits - 1
     s = mx.maximum(hi - lo, 1e-8) / n
     return (mx.clip(mx.round((y - lo) / s), 0, n) * s + lo).reshape(shape)
 
 
-def per_token(x: mx.array, bits: int | None, g: int, rotated: bool) -> mx.array:
+def per_token(x: mx.array, bits: int | None, g: int, rotated: bool, nuq=None) -> mx.array:
     if bits is None:
         return x
-    y = affine(rot(x) if rotated else x, bits, g)
+    y = affine(rot(x) if rotated else x, bits, g, nuq)
     return rot(y) if rotated else y
 
 
-def per_channel(x: mx.array, bits: int | None, g: int, rotated: bool) -> mx.array:
+def per_channel(x: mx.array, bits: int | None, g: int, rotated: bool, nuq=None) -> mx.array:
     """(B, H, N, D) quantized along the N tokens, `g` tokens per group."""
     if bits is None:
         return x
-    y = affine((rot(x) if rotated else x).swapaxes(-1, -2), bits, g).swapaxes(-1, -2)
+    y = affine((rot(x) if rotated else x).swapaxes(-1, -2), bits, g, nuq).swapaxes(-1, -2)
     return rot(y) if rotated else y
 
 
@@ -285,6 +389,15 @@ def with_outliers_exact(quant, x: mx.array, n: int) -> mx.array:
     keep = mx.zeros(x.shape[:2] + (x.shape[-1],), mx.bool_)
     keep = mx.put_along_axis(keep, top, mx.array(True), axis=-1)[:, :, None, :]
     return mx.where(keep, x, quant(mx.where(keep, mx.zeros_like(x), x)))
+
+
+def fp8(x: mx.array, g: int = 64) -> mx.array:
+    """Each element as fp8 (e4m3), groups of `g` channels scaled so their
+    largest magnitude is 448 (the scale in 16 bits)."""
+    y = x.reshape(*x.shape[:-1], -1, g)
+    s = (mx.abs(y).max(-1, keepdims=True) / 448).astype(mx.float16).astype(mx.float32)
+    s = mx.maximum(s, 1e-12)
+    return (mx.from_fp8(mx.to_fp8(y / s), mx.float32) * s).reshape(x.shape)
 
 
 def flip_pairs(x: mx.array, traditional: bool) -> mx.array:
@@ -321,7 +434,7 @@ class FakeQuantCache(mlx_cache.KVCache):
         quant = per_channel if channel else per_token
 
         def q(x):
-            return quant(x, s["kb"], s["kg"], s.get("krot", False))
+            return quant(x, s["kb"], s["kg"], s.get("krot", False), s.get("nuq"))
 
         if s.get("kb") is None:
             return k
@@ -379,7 +492,9 @@ class FakeQuantCache(mlx_cache.KVCache):
             mk, mv = self.rk[:, :, :move], self.rv[:, :, :move]
             self.rk, self.rv = self.rk[:, :, move:], self.rv[:, :, move:]
             self.qk = cat(self.qk, self._quant_keys(mk, self.moved))
-            self.qv = cat(self.qv, per_token(mv, s["vb"], s["vg"], s.get("vrot", False)))
+            self.qv = cat(
+                self.qv, per_token(mv, s["vb"], s["vg"], s.get("vrot", False), s.get("nuq"))
+            )
             self.moved += move
             mx.eval(self.qk, self.qv)
         rk, rv = self.rk, self.rv
@@ -388,6 +503,11 @@ class FakeQuantCache(mlx_cache.KVCache):
             krot = s.get("krot", False)
             rk = per_channel(rk, s["kb"], n, krot) if n > 1 else per_token(rk, s["kb"], 64, krot)
             rv = per_token(rv, s["vb"], s["vg"], s.get("vrot", False))
+        if s.get("tailfp8") and rk.shape[2]:
+            rk, rv = fp8(rk), fp8(rv)
+        if s.get("tail8") and rk.shape[2]:
+            rk = per_token(rk, 8, 64, s.get("krot", False))
+            rv = per_token(rv, 8, 64, s.get("vrot", False))
         sk, sv = self.sink_k, self.sink_v
         if exact is not None:
             rk, rv = exact(rk), exact(rv)
@@ -437,7 +557,8 @@ def _layer_bits(s: dict, held: int) -> float:
     if s.get("kmode") == "channel" and not s.get("partial"):
         tail += (s["kg"] - 1) / 2
     tail = min(tail, held)
-    return ((held - tail) * (k + v) / 2 + tail * 16.0) / held
+    exact = 8.5 if s.get("tail8") else 8.25 if s.get("tailfp8") else 16.0
+    return ((held - tail) * (k + v) / 2 + tail * exact) / held
 
 
 def held_bits(model, scheme: dict, context: int = 2048) -> float:
