@@ -516,3 +516,31 @@ def test_the_server_starts_with_a_budget_that_holds_one_useful_prompt(loaded):
     args.kv_cache_memory = need - 1
     with pytest.raises(ValueError, match=f"cannot hold one prompt of {USEFUL_PROMPT} tokens"):
         kv_cache_memory(args, model, plan)
+
+
+def test_short_conversations_fit_more_sequences_at_the_default_than_unquantized(loaded):
+    """The default's paged full-attention rows keep their newest tokens exact
+    (16 bits) beside the blocks: a row is priced by the tail buffer's slots it
+    holds (as many as the longest decoding row's, in steps of 32), not by the
+    most a tail can hold (sinks + residual + a block), so sequences of 60
+    tokens fit more at the default than unquantized (float32 here) under one
+    budget, and what they hold stays within it."""
+    model, tokenizer = loaded
+    budget = 2_000_000
+    at_once, fits = {}, {}
+    for name, kv in (("unquantized", KVConfig()), ("default", DEFAULT_KV_CONFIG)):
+        engine = _engine(model, tokenizer, kv, budget, prompt_cache_size=0, prompt_concurrency=2)
+        try:
+            requests = [([1 + (i * 7 + j) % 300 for j in range(56)], 24) for i in range(30)]
+            sinks = _flood(engine, requests)
+            assert all(isinstance(s.end, FinishEvent) for s in sinks)
+            at_once[name] = engine.metrics.snapshot().max_batch_size
+            ledger = engine.budget
+            assert ledger.overruns == 0 and ledger.bound_misses == 0
+            assert ledger.peak_held <= budget
+            fits[name] = ledger.capacity(60).sequences
+        finally:
+            engine.stop()
+    print(f"under {budget} bytes, 60-token sequences: at once {at_once}, fit {fits}")
+    assert fits["default"] >= 1.5 * fits["unquantized"]
+    assert at_once["default"] > at_once["unquantized"] >= 1

@@ -28,7 +28,12 @@ from mlx_kvq.caches import (
     page_caches,
     unpage_caches,
 )
-from mlx_kvq.caches.paged import BlockPool, SplitBlockStorage, exact_tokens_held
+from mlx_kvq.caches.paged import (
+    BlockPool,
+    SplitBlockStorage,
+    decode_tail_slots,
+    exact_tokens_held,
+)
 from mlx_kvq.commands import build_parser, main
 from mlx_kvq.commands.serve import engine_options
 from mlx_kvq.config import AUTO_BLOCK_SIZE, KVConfig, QuantSpec, UnsupportedKVConfig
@@ -450,6 +455,32 @@ def test_decode_steps_in_the_tail_buffer_hold_what_each_row_alone_holds(specs):
         for g, w in zip(got, want, strict=True):
             assert g.shape == w.shape and mx.array_equal(g, w).item()
     same_attention(kk, vv)
+
+
+def test_a_batch_left_by_its_longest_row_holds_the_slots_the_budget_prices():
+    """The tail buffer gives every row the longest tail's slots; when that
+    row leaves, the buffer is cut back to the rows left (what the budget
+    prices a decoding row at, `decode_tail_slots` of the longest), their
+    tokens kept."""
+    ks, vs = QuantSpec(4, 32, per_channel=True, residual=8), QuantSpec(4, 32, residual=8)
+    rng = np.random.default_rng(5)
+
+    def arr(n):
+        return mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32)).astype(mx.float16)
+
+    pool = BlockPool(32, ks, vs)
+    rows = []
+    for n in (3, 39):
+        seq = KVQPagedSplitSequence(pool)
+        seq.write(arr(n), arr(n))
+        rows.append(seq)
+    short = rows[0].held()
+    batch = KVQPagedSplitSequence.merge(rows)
+    assert batch.counts == [3, 39] and batch.buffer[0].shape[2] == 40  # residual + block
+    batch.filter([0])
+    assert batch.buffer[0].shape[2] == decode_tail_slots(3, 8, 32) == 32
+    for got, want in zip(batch.extract(0).held(), short, strict=True):
+        assert mx.array_equal(got, want).item()
 
 
 def test_the_native_kernel_reads_bfloat16_rows():

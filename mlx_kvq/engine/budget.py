@@ -35,8 +35,11 @@ blocks they hold and were promised, priced at each slot's bytes per block,
 fit beside the padded slots' bound. What one sequence is promised is what
 the paged forms hold at most (`blocks_held`: its tokens in whole blocks; a
 window at most `window - 1` tokens before the chunk it writes, plus its
-partly used first block). Layers that keep their own layout are priced as
-above.
+partly used first block; a split row, the tokens `residual` or more before
+its end). A split row's exact tokens are held beside the pools, in its
+batch's tail buffer, whose rows all get the longest tail's slots: they are
+priced per batch (`beside_pools`), a decoding row at the longest decoding
+row's slots. Layers that keep their own layout are priced as above.
 
 `CostModel.bound(shapes, prompting)` is the bound for a set of sequences
 (the capacity line, a prompt that never fits), `Ledger` keeps the admitted
@@ -53,7 +56,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from mlx_kvq.caches import KVQCache, Pages, blocks_held, exact_tokens_held
+from mlx_kvq.caches import KVQCache, Pages, blocks_held, decode_tail_slots
 from mlx_kvq.config import KVConfig, QuantSpec, is_split
 from mlx_kvq.plan import KVPlan, LayerPlan
 
@@ -86,9 +89,11 @@ class SlotCost:
     raw: int  # bytes per token in the model's dtype (before quantized_kv_start)
     paged: bool = False  # held in a block pool (the paged layout)
     key: tuple[int, int | None] = (0, None)  # its (slot, member): the key of its pool
-    # paged split layout: bytes a row holds exact beside its blocks at most
-    # (its tail and its sinks, `exact_tokens_held`), priced as that many more blocks
-    exact_blocks: int = 0
+    # paged split layout: bytes per token of what a row holds exact beside its
+    # blocks (its sinks and its tail, 16-bit; 0: nothing), and their counts
+    exact: int = 0
+    sinks: int = 0
+    residual: int = 0
     # padded split layout: bytes a row holds at most beyond `stored` per token
     # (`split_extra`)
     extra: int = 0
@@ -126,15 +131,17 @@ class CostModel:
             keep = quantized and not p.skipped
             stored = _per_token(p, p.key_spec, p.value_spec) if keep else raw
             key = (p.slot, p.member)
-            exact = extra = 0
+            exact = extra = sinks = residual = 0
             if keep and is_split(p.key_spec, p.value_spec):
                 per_token = p.kv_heads * (p.key_dim + p.value_dim) * 2  # held in 16 bits
                 if key in paged:
-                    tokens = exact_tokens_held(block_size, p.key_spec, p.value_spec)
-                    exact = -(-tokens * per_token // (stored * block_size))
+                    exact = per_token
+                    sinks = max(p.key_spec.sinks, p.value_spec.sinks)
+                    residual = max(p.key_spec.residual, p.value_spec.residual)
                 else:
                     extra = split_extra(p, stored, per_token)
-            slots.append(SlotCost(p.window, stored, raw, key in paged, key, exact, extra))
+            slots.append(SlotCost(p.window, stored, raw, key in paged, key, exact=exact,
+                                  sinks=sinks, residual=residual, extra=extra))  # fmt: skip
         state = sum(p.state_bytes for p in plan.layers if p.kind == "state")
         return cls(
             tuple(slots), state, plan.config.quantized_start if quantized else 0,
@@ -152,10 +159,16 @@ class CostModel:
         the `cached` it starts from)."""
         chunk = min(self.prefill_step, max(1, shape.prompt - cached)) if prompting else 1
         return {
-            s.key: blocks_held(shape.total, self.block_size, s.window, chunk) + s.exact_blocks
+            s.key: blocks_held(self._in_blocks(s, shape.total), self.block_size, s.window, chunk)
             for s in self.slots
             if s.paged
         }
+
+    @staticmethod
+    def _in_blocks(s: SlotCost, tokens: int) -> int:
+        """The most of a row's `tokens` that slot `s` holds in blocks: a split
+        row's blocks end `residual` tokens or more before its end."""
+        return max(0, tokens - s.residual) if s.exact else tokens
 
     def block_bytes(self, key: tuple[int, int | None]) -> int:
         """Bytes of one block of the paged slot `key`."""
@@ -166,17 +179,39 @@ class CostModel:
 
     def paged_bound(self, shapes: Iterable[Shape], prompting: Iterable[Shape] = ()) -> int:
         """What these sequences hold at most in the block pools (the rows of
-        `prompting` in their prompt), each block once per holder."""
+        `prompting` in their prompt), each block once per holder, and beside
+        them (`beside_pools`)."""
         if not self.block_size:
             return 0
         in_prompt = _counts(prompting)
-        total = 0
+        total = self.beside_pools(shapes, prompting)
         for shape, n in _counts(shapes).items():
             p = min(n, in_prompt[shape])
             if p:
                 total += p * self.blocks_bytes(self.promise(shape, True))
             if n > p:
                 total += (n - p) * self.blocks_bytes(self.promise(shape, False))
+        return total
+
+    def beside_pools(self, shapes: Iterable[Shape], prompting: Iterable[Shape] = ()) -> int:
+        """What paged split-layout rows hold exact beside the pools, in 16 bits:
+        each row's sinks and its slots of its batch's tail buffer, as many as
+        the batch's longest tail gets (`decode_tail_slots`). The decoding rows
+        are one batch, priced by their longest total; rows in their prompt (the
+        rows of `prompting`) at the most a tail holds."""
+        slots = [s for s in self.slots if s.paged and s.exact]
+        shapes, in_prompt = _counts(shapes), _counts(prompting)
+        if not slots or not shapes:
+            return 0
+        prompt_rows = sum(min(n, in_prompt[shape]) for shape, n in shapes.items())
+        decoding = [shape.total for shape, n in shapes.items() if n > in_prompt[shape]]
+        rows = shapes.total()
+        total = 0
+        for s in slots:
+            bs, r = self.block_size, s.residual
+            per_row = decode_tail_slots(max(decoding, default=0), r, bs)
+            total += s.exact * (rows * s.sinks + prompt_rows * decode_tail_slots(None, r, bs)
+                                + (rows - prompt_rows) * per_row)  # fmt: skip
         return total
 
     # -- one slot ------------------------------------------------------------
@@ -242,11 +277,14 @@ class CostModel:
         total = self.state_bytes
         for s in self.slots:
             if s.paged:  # an entry keeps what its next token sees (`window.py`)
-                blocks = blocks_held(tokens, self.block_size, s.window, chunk=0) + s.exact_blocks
-                n = blocks * self.block_size
+                blocks = blocks_held(self._in_blocks(s, tokens), self.block_size, s.window, chunk=0)
+                total += blocks * self.block_bytes(s.key)
+                # and exact beside its blocks: its sinks and a tail of its own
+                most = decode_tail_slots(None, s.residual, self.block_size)
+                total += s.exact * (s.sinks + min(tokens, most))
             else:
                 n = tokens if s.window is None else min(tokens, s.window - 1 + self.prefill_step)
-            total += self.slot_bytes(s, n)
+                total += self.slot_bytes(s, n)
         return total
 
     def sequences(self, budget: int, shape: Shape) -> int:
@@ -277,7 +315,7 @@ class CostModel:
     def unquantized(self) -> CostModel:
         """The same slots unquantized: raw bytes per token, and none of what a
         split-layout row holds exact beside its tokens."""
-        slots = tuple(replace(s, stored=s.raw, exact_blocks=0, extra=0) for s in self.slots)
+        slots = tuple(replace(s, stored=s.raw, exact=0, extra=0) for s in self.slots)
         return CostModel(slots, self.state_bytes, 0, self.prefill_step, self.prompt_rows,
                          "unquantized", self.block_size)  # fmt: skip
 
@@ -460,6 +498,7 @@ class Ledger:
             held = cost.bound(rows, prompting)
         else:
             held = cost.padded_bound(rows, prompting) + self.paged(share)
+            held += cost.beside_pools(rows, prompting)
         return held + sum(self.extras.values()) + extra
 
     def paged(self, share: Share | None = None) -> int:
@@ -480,6 +519,8 @@ class Ledger:
         held = self.share.cost.padded_bound(rows, prompting)
         if self.pages is None:
             held += self.share.cost.paged_bound(rows, prompting)
+        else:
+            held += self.share.cost.beside_pools(rows, prompting)
         return held + sum(self.extras.values())
 
     def reserved(self, rank: int | None = None) -> int:

@@ -15,7 +15,12 @@ from .base import KVQPagedSequence, PagedBatch, PagedCache
 from .blocks import BlockAllocator, BlockTable, PoolStats
 from .full import KVQPagedFullCache, KVQPagedFullSequence
 from .pool import BlockPool, Pages, PagesStats
-from .split import KVQPagedSplitCache, KVQPagedSplitSequence, exact_tokens_held
+from .split import (
+    KVQPagedSplitCache,
+    KVQPagedSplitSequence,
+    decode_tail_slots,
+    exact_tokens_held,
+)
 from .storage import BlockStorage, SplitBlockStorage, split_refusal
 from .window import KVQPagedWindowCache, KVQPagedWindowSequence
 
@@ -37,6 +42,7 @@ __all__ = [
     "PagesStats",
     "PoolStats",
     "SplitBlockStorage",
+    "decode_tail_slots",
     "exact_tokens_held",
     "split_refusal",
 ]

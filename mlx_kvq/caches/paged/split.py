@@ -64,6 +64,23 @@ def exact_tokens_held(block_size: int, key_spec: QuantSpec, value_spec: QuantSpe
 TAIL_STEP = 32  # a batch's tail buffer grows by this many slots a row
 
 
+def tail_capacity(need: int, residual: int, block_size: int) -> int:
+    """Slots a row of a batch's tail buffer gets when its longest tail needs
+    `need`: in steps of TAIL_STEP, never past a decode step's most
+    (`residual + block_size`) unless `need` is (a prompt chunk before its flush)."""
+    most = residual + block_size
+    return need if need >= most else min(most, -(-need // TAIL_STEP) * TAIL_STEP)
+
+
+def decode_tail_slots(longest: int | None, residual: int, block_size: int) -> int:
+    """The most slots a decoding row holds in its batch's tail buffer when the
+    batch's longest row holds `longest` tokens (None: however many): a row's
+    tail holds fewer than `residual + block_size` between steps, and the
+    buffer is cut back to its longest tail when rows leave."""
+    most = residual + block_size
+    return most if longest is None else tail_capacity(min(longest, most), residual, block_size)
+
+
 def _tail_len(tail: Tail) -> int:
     return 0 if tail[0] is None else tail[0].shape[2]
 
@@ -249,11 +266,7 @@ class KVQPagedSplitCache(PagedBatch):
         self._sync()
 
     def _capacity(self, need: int) -> int:
-        """Slots a row of the buffer gets for `need` tokens: in steps of
-        TAIL_STEP, never past a decode's most (`residual + block_size`)
-        unless `need` is (a prompt chunk before its flush)."""
-        most = self.pool.storage.residual + self.pool.block_size
-        return need if need >= most else min(most, -(-need // TAIL_STEP) * TAIL_STEP)
+        return tail_capacity(need, self.pool.storage.residual, self.pool.block_size)
 
     def _sync(self) -> None:
         self._table_array = None
@@ -427,12 +440,15 @@ class KVQPagedSplitCache(PagedBatch):
         return min(done, default=0)
 
     def _keep_rows(self, keep: list[int]) -> None:
+        """Only the rows `keep` stay; the buffer is cut back to their longest
+        tail (what the budget prices the rows left at, `decode_tail_slots`)."""
         self.counts = [self.counts[i] for i in keep]
         if not keep:
             self.buffer = EMPTY
         elif self.buffer[0] is not None:
             rows = mx.array(keep, dtype=mx.int32)
-            self.buffer = (self.buffer[0][rows], self.buffer[1][rows])
+            cap = min(self.buffer[0].shape[2], self._capacity(max(max(self.counts), 1)))
+            self.buffer = tuple(mx.contiguous(a[rows][:, :, :cap]) for a in self.buffer)
 
     def _take_rows(self, other: KVQPagedSplitCache) -> None:
         self._hold(self.tails + other.tails)
@@ -539,4 +555,10 @@ class KVQPagedSplitSequence(KVQPagedSequence):
 
 KVQPagedSplitCache.sequence_form = KVQPagedSplitSequence
 
-__all__ = ["KVQPagedSplitCache", "KVQPagedSplitSequence", "exact_tokens_held"]
+__all__ = [
+    "KVQPagedSplitCache",
+    "KVQPagedSplitSequence",
+    "decode_tail_slots",
+    "exact_tokens_held",
+    "tail_capacity",
+]
