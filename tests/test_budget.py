@@ -544,3 +544,32 @@ def test_short_conversations_fit_more_sequences_at_the_default_than_unquantized(
     print(f"under {budget} bytes, 60-token sequences: at once {at_once}, fit {fits}")
     assert fits["default"] >= 1.5 * fits["unquantized"]
     assert at_once["default"] > at_once["unquantized"] >= 1
+
+
+def test_rows_in_their_prompt_are_priced_by_their_length(loaded):
+    """A row in its prompt holds no more exact tokens than it has: eight short
+    prompts of 3 to 60 tokens, cut into right-padded batches whose padding
+    stays in the tails until the chunk ends, are priced by the longest of
+    them, not at the most a tail holds; what they hold stays within the bound
+    at every step, and 60-token sequences fit more at the default than
+    unquantized with eight rows in their prompt."""
+    model, tokenizer = loaded
+    budget = 2_000_000
+    fits, at_once = {}, {}
+    for name, kv in (("unquantized", KVConfig()), ("default", DEFAULT_KV_CONFIG)):
+        engine = _engine(model, tokenizer, kv, budget, prompt_cache_size=0, prompt_concurrency=8)
+        try:
+            lengths = [3 + (i * 13) % 58 for i in range(24)]
+            requests = [
+                ([1 + (i * 7 + j) % 300 for j in range(n)], 16) for i, n in enumerate(lengths)
+            ]
+            sinks = _flood(engine, requests)
+            assert all(isinstance(s.end, FinishEvent) for s in sinks)
+            ledger = engine.budget
+            assert ledger.overruns == 0 and ledger.bound_misses == 0
+            fits[name] = ledger.capacity(60).sequences
+            at_once[name] = engine.metrics.snapshot().max_batch_size
+        finally:
+            engine.stop()
+    print(f"under {budget} bytes, 8 prompt rows: fit {fits}, at once {at_once}")
+    assert fits["default"] > fits["unquantized"]

@@ -31,8 +31,8 @@ from mlx_kvq.caches import (
 from mlx_kvq.caches.paged import (
     BlockPool,
     SplitBlockStorage,
-    decode_tail_slots,
     exact_tokens_held,
+    tail_slots,
 )
 from mlx_kvq.commands import build_parser, main
 from mlx_kvq.commands.serve import engine_options
@@ -460,7 +460,7 @@ def test_decode_steps_in_the_tail_buffer_hold_what_each_row_alone_holds(specs):
 def test_a_batch_left_by_its_longest_row_holds_the_slots_the_budget_prices():
     """The tail buffer gives every row the longest tail's slots; when that
     row leaves, the buffer is cut back to the rows left (what the budget
-    prices a decoding row at, `decode_tail_slots` of the longest), their
+    prices a decoding row at, `tail_slots` of the longest), their
     tokens kept."""
     ks, vs = QuantSpec(4, 32, per_channel=True, residual=8), QuantSpec(4, 32, residual=8)
     rng = np.random.default_rng(5)
@@ -478,7 +478,7 @@ def test_a_batch_left_by_its_longest_row_holds_the_slots_the_budget_prices():
     batch = KVQPagedSplitSequence.merge(rows)
     assert batch.counts == [3, 39] and batch.buffer[0].shape[2] == 40  # residual + block
     batch.filter([0])
-    assert batch.buffer[0].shape[2] == decode_tail_slots(3, 8, 32) == 32
+    assert batch.buffer[0].shape[2] == tail_slots(3, 8, 32) == 32
     for got, want in zip(batch.extract(0).held(), short, strict=True):
         assert mx.array_equal(got, want).item()
 

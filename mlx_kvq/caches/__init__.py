@@ -29,7 +29,7 @@ from .paged.convert import (
     split_unpaged,
     unpage_caches,
 )
-from .paged.split import decode_tail_slots, exact_tokens_held
+from .paged.split import exact_tokens_held, tail_slots
 from .registry import (
     PROMPT_FILE_CLASSES,
     REGISTRY,
@@ -62,8 +62,8 @@ __all__ = [
     "PagesStats",
     "CACHE",
     "blocks_held",
-    "decode_tail_slots",
     "exact_tokens_held",
+    "tail_slots",
     "cached_only_bytes",
     "keep_in_prompt_cache",
     "mapped_blocks",

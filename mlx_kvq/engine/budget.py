@@ -39,7 +39,7 @@ partly used first block; a split row, the tokens `residual` or more before
 its end). A split row's exact tokens are held beside the pools, in its
 batch's tail buffer, whose rows all get the longest tail's slots: they are
 priced per batch (`beside_pools`), a decoding row at the longest decoding
-row's slots. Layers that keep their own layout are priced as above.
+row's slots, a row in its prompt at the longest such row's. Layers that keep their own layout are priced as above.
 
 `CostModel.bound(shapes, prompting)` is the bound for a set of sequences
 (the capacity line, a prompt that never fits), `Ledger` keeps the admitted
@@ -56,7 +56,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from mlx_kvq.caches import KVQCache, Pages, blocks_held, decode_tail_slots
+from mlx_kvq.caches import KVQCache, Pages, blocks_held, tail_slots
 from mlx_kvq.config import KVConfig, QuantSpec, is_split
 from mlx_kvq.plan import KVPlan, LayerPlan
 
@@ -196,22 +196,24 @@ class CostModel:
     def beside_pools(self, shapes: Iterable[Shape], prompting: Iterable[Shape] = ()) -> int:
         """What paged split-layout rows hold exact beside the pools, in 16 bits:
         each row's sinks and its slots of its batch's tail buffer, as many as
-        the batch's longest tail gets (`decode_tail_slots`). The decoding rows
-        are one batch, priced by their longest total; rows in their prompt (the
-        rows of `prompting`) at the most a tail holds."""
+        the batch's longest tail gets (`tail_slots`). The decoding rows are one
+        batch, priced by their longest total; the rows in their prompt (those
+        of `prompting`) by theirs, whatever batches they are cut into."""
         slots = [s for s in self.slots if s.paged and s.exact]
         shapes, in_prompt = _counts(shapes), _counts(prompting)
         if not slots or not shapes:
             return 0
-        prompt_rows = sum(min(n, in_prompt[shape]) for shape, n in shapes.items())
-        decoding = [shape.total for shape, n in shapes.items() if n > in_prompt[shape]]
-        rows = shapes.total()
+        prompt_rows = {shape: min(n, in_prompt[shape]) for shape, n in shapes.items()}
+        prompting = [shape.total for shape, n in prompt_rows.items() if n]
+        decoding = [shape.total for shape, n in shapes.items() if n > prompt_rows[shape]]
+        rows, in_prompt_rows = shapes.total(), sum(prompt_rows.values())
         total = 0
         for s in slots:
             bs, r = self.block_size, s.residual
-            per_row = decode_tail_slots(max(decoding, default=0), r, bs)
-            total += s.exact * (rows * s.sinks + prompt_rows * decode_tail_slots(None, r, bs)
-                                + (rows - prompt_rows) * per_row)  # fmt: skip
+            per_prompt = tail_slots(max(prompting, default=0), r, bs)
+            per_decode = tail_slots(max(decoding, default=0), r, bs)
+            total += s.exact * (rows * s.sinks + in_prompt_rows * per_prompt
+                                + (rows - in_prompt_rows) * per_decode)  # fmt: skip
         return total
 
     # -- one slot ------------------------------------------------------------
@@ -280,7 +282,7 @@ class CostModel:
                 blocks = blocks_held(self._in_blocks(s, tokens), self.block_size, s.window, chunk=0)
                 total += blocks * self.block_bytes(s.key)
                 # and exact beside its blocks: its sinks and a tail of its own
-                most = decode_tail_slots(None, s.residual, self.block_size)
+                most = tail_slots(None, s.residual, self.block_size)
                 total += s.exact * (s.sinks + min(tokens, most))
             else:
                 n = tokens if s.window is None else min(tokens, s.window - 1 + self.prefill_step)

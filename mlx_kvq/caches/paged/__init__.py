@@ -18,8 +18,8 @@ from .pool import BlockPool, Pages, PagesStats
 from .split import (
     KVQPagedSplitCache,
     KVQPagedSplitSequence,
-    decode_tail_slots,
     exact_tokens_held,
+    tail_slots,
 )
 from .storage import BlockStorage, SplitBlockStorage, split_refusal
 from .window import KVQPagedWindowCache, KVQPagedWindowSequence
@@ -42,7 +42,7 @@ __all__ = [
     "PagesStats",
     "PoolStats",
     "SplitBlockStorage",
-    "decode_tail_slots",
     "exact_tokens_held",
+    "tail_slots",
     "split_refusal",
 ]

@@ -72,11 +72,11 @@ def tail_capacity(need: int, residual: int, block_size: int) -> int:
     return need if need >= most else min(most, -(-need // TAIL_STEP) * TAIL_STEP)
 
 
-def decode_tail_slots(longest: int | None, residual: int, block_size: int) -> int:
-    """The most slots a decoding row holds in its batch's tail buffer when the
-    batch's longest row holds `longest` tokens (None: however many): a row's
-    tail holds fewer than `residual + block_size` between steps, and the
-    buffer is cut back to its longest tail when rows leave."""
+def tail_slots(longest: int | None, residual: int, block_size: int) -> int:
+    """The most slots a row holds in its batch's tail buffer between steps
+    when the batch's longest row holds `longest` tokens (None: however many):
+    a tail holds no more tokens than its row, and fewer than `residual +
+    block_size`, and the buffer is cut back to its longest tail when rows leave."""
     most = residual + block_size
     return most if longest is None else tail_capacity(min(longest, most), residual, block_size)
 
@@ -441,7 +441,7 @@ class KVQPagedSplitCache(PagedBatch):
 
     def _keep_rows(self, keep: list[int]) -> None:
         """Only the rows `keep` stay; the buffer is cut back to their longest
-        tail (what the budget prices the rows left at, `decode_tail_slots`)."""
+        tail (what the budget prices the rows left at, `tail_slots`)."""
         self.counts = [self.counts[i] for i in keep]
         if not keep:
             self.buffer = EMPTY
@@ -558,7 +558,7 @@ KVQPagedSplitCache.sequence_form = KVQPagedSplitSequence
 __all__ = [
     "KVQPagedSplitCache",
     "KVQPagedSplitSequence",
-    "decode_tail_slots",
     "exact_tokens_held",
+    "tail_slots",
     "tail_capacity",
 ]
