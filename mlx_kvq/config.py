@@ -234,7 +234,7 @@ class KVConfig:
 
     def describe(self) -> str:
         if not self.enabled:
-            return "unquantized (fp16)"
+            return "unquantized"
         k, v = self.key_spec, self.value_spec
         text = f"K {k.describe()} V {v.describe()}"
         if self.window_bits is not None:

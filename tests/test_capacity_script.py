@@ -17,6 +17,6 @@ def test_the_default_holds_more_long_sequences_than_unquantized_and_fewer_as_the
     lines = capsys.readouterr().out.strip().splitlines()[2:]
     rows = {ln.split("`")[1]: [int(c) for c in ln.split("|")[2:-1]] for ln in lines}
     default = next(v for k, v in rows.items() if k.startswith("K 5b/c128"))
-    unquantized = rows["unquantized (fp16)"]
+    unquantized = rows["unquantized"]
     assert default[0] > default[1] > default[2] and unquantized[0] > unquantized[1]
     assert default[1] >= 2 * unquantized[1] and default[2] >= 1
