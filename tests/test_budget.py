@@ -573,3 +573,37 @@ def test_rows_in_their_prompt_are_priced_by_their_length(loaded):
             engine.stop()
     print(f"under {budget} bytes, 8 prompt rows: fit {fits}, at once {at_once}")
     assert fits["default"] > fits["unquantized"]
+
+
+def test_a_long_row_joining_short_ones_was_priced_at_its_admission(loaded, monkeypatch):
+    """The rows of a batch's tail buffer all get its longest row's slots, and a
+    row joins the decoding batch after its prompt without asking the budget:
+    long prompts (past residual + block) among short ones must not take the
+    admitted rows' bound, or what they hold, past the budget at any step."""
+    from mlx_kvq.engine import Ledger
+
+    model, tokenizer = loaded
+    budget = 1_500_000
+    measured = []
+    check = Ledger.check
+
+    def spy(self, live, prompt_cache):
+        measured.append((live, self.reserved(), prompt_cache))
+        return check(self, live, prompt_cache)
+
+    monkeypatch.setattr(Ledger, "check", spy)
+    engine = _engine(model, tokenizer, DEFAULT_KV_CONFIG, budget, prompt_cache_size=0,
+                     prompt_concurrency=4)  # fmt: skip
+    try:
+        requests = [
+            ([1 + (i * 7 + j) % 300 for j in range(300 if i % 6 == 0 else 20)], 8 if i % 6 else 40)
+            for i in range(18)
+        ]
+        sinks = _flood(engine, requests)
+        assert all(isinstance(s.end, FinishEvent) for s in sinks)
+        assert engine.metrics.snapshot().max_batch_size >= 3
+    finally:
+        engine.stop()
+    ledger = engine.budget
+    assert ledger.overruns == 0 and ledger.bound_misses == 0
+    assert measured and all(r <= budget and live <= r for live, r, _ in measured)

@@ -38,8 +38,8 @@ window at most `window - 1` tokens before the chunk it writes, plus its
 partly used first block; a split row, the tokens `residual` or more before
 its end). A split row's exact tokens are held beside the pools, in its
 batch's tail buffer, whose rows all get the longest tail's slots: they are
-priced per batch (`beside_pools`), a decoding row at the longest decoding
-row's slots, a row in its prompt at the longest such row's. Layers that keep their own layout are priced as above.
+priced at the longest admitted row's slots (`beside_pools`), since a row
+joins the decoding batch without asking the budget. Layers that keep their own layout are priced as above.
 
 `CostModel.bound(shapes, prompting)` is the bound for a set of sequences
 (the capacity line, a prompt that never fits), `Ledger` keeps the admitted
@@ -183,9 +183,9 @@ class CostModel:
         them (`beside_pools`)."""
         if not self.block_size:
             return 0
-        in_prompt = _counts(prompting)
-        total = self.beside_pools(shapes, prompting)
-        for shape, n in _counts(shapes).items():
+        shapes, in_prompt = _counts(shapes), _counts(prompting)
+        total = self.beside_pools(shapes)
+        for shape, n in shapes.items():
             p = min(n, in_prompt[shape])
             if p:
                 total += p * self.blocks_bytes(self.promise(shape, True))
@@ -193,28 +193,22 @@ class CostModel:
                 total += (n - p) * self.blocks_bytes(self.promise(shape, False))
         return total
 
-    def beside_pools(self, shapes: Iterable[Shape], prompting: Iterable[Shape] = ()) -> int:
+    def beside_pools(self, shapes: Iterable[Shape]) -> int:
         """What paged split-layout rows hold exact beside the pools, in 16 bits:
         each row's sinks and its slots of its batch's tail buffer, as many as
-        the batch's longest tail gets (`tail_slots`). The decoding rows are one
-        batch, priced by their longest total; the rows in their prompt (those
-        of `prompting`) by theirs, whatever batches they are cut into."""
+        the batch's longest tail gets (`tail_slots`). Every row is priced at
+        the longest row's slots: a row moves from its prompt's batch into the
+        decoding one without asking the budget, and there takes the slots of
+        the longest row in it."""
         slots = [s for s in self.slots if s.paged and s.exact]
-        shapes, in_prompt = _counts(shapes), _counts(prompting)
+        shapes = _counts(shapes)
         if not slots or not shapes:
             return 0
-        prompt_rows = {shape: min(n, in_prompt[shape]) for shape, n in shapes.items()}
-        prompting = [shape.total for shape, n in prompt_rows.items() if n]
-        decoding = [shape.total for shape, n in shapes.items() if n > prompt_rows[shape]]
-        rows, in_prompt_rows = shapes.total(), sum(prompt_rows.values())
-        total = 0
-        for s in slots:
-            bs, r = self.block_size, s.residual
-            per_prompt = tail_slots(max(prompting, default=0), r, bs)
-            per_decode = tail_slots(max(decoding, default=0), r, bs)
-            total += s.exact * (rows * s.sinks + in_prompt_rows * per_prompt
-                                + (rows - in_prompt_rows) * per_decode)  # fmt: skip
-        return total
+        longest, rows = max(shape.total for shape in shapes), shapes.total()
+        return sum(
+            s.exact * rows * (s.sinks + tail_slots(longest, s.residual, self.block_size))
+            for s in slots
+        )
 
     # -- one slot ------------------------------------------------------------
     def slot_bytes(self, s: SlotCost, n: int) -> int:
@@ -500,7 +494,7 @@ class Ledger:
             held = cost.bound(rows, prompting)
         else:
             held = cost.padded_bound(rows, prompting) + self.paged(share)
-            held += cost.beside_pools(rows, prompting)
+            held += cost.beside_pools(rows)
         return held + sum(self.extras.values()) + extra
 
     def paged(self, share: Share | None = None) -> int:
@@ -522,7 +516,7 @@ class Ledger:
         if self.pages is None:
             held += self.share.cost.paged_bound(rows, prompting)
         else:
-            held += self.share.cost.beside_pools(rows, prompting)
+            held += self.share.cost.beside_pools(rows)
         return held + sum(self.extras.values())
 
     def reserved(self, rank: int | None = None) -> int:
