@@ -393,6 +393,30 @@ def test_one_long_sequence_under_a_small_budget_ends_with_length(loaded):
     assert engine.budget.overruns == 0 and 0 < engine.budget.peak_held <= budget
 
 
+def test_a_request_waiting_behind_one_the_budget_ends_runs_after_it(loaded):
+    """The first request grows until the budget cannot hold it even alone and
+    ends with length; the second, waiting for room, then runs to its own
+    limit. Its turn came in the step that ended the first, whose blocks stay
+    in the pool until its rows leave the batch: it was once ended with no
+    token, as if nothing would ever free memory."""
+    model, tokenizer = loaded
+    engine = _engine(model, tokenizer, DEFAULT_KV_CONFIG, 600_000, prompt_cache_size=0)
+    no_eos = tuple((t, -1e9) for t in tokenizer.eos_token_ids)
+    sinks = [Sink(), Sink()]
+    try:
+        for sink, max_tokens in zip(sinks, (32_000, 8), strict=True):
+            prompt = [1 + (j * 7) % 300 for j in range(200)]
+            params = SamplingParams(max_tokens=max_tokens, logit_bias=no_eos)
+            engine.submit(GenerationRequest(prompt, params), sink)
+        assert all(s.done.wait(WAIT_S) for s in sinks)
+    finally:
+        engine.stop()
+    first, second = sinks
+    assert first.end.reason == second.end.reason == FinishReason.LENGTH
+    assert 200 < first.tokens < 32_000 and second.tokens == 8
+    assert engine.budget.overruns == 0
+
+
 class TwoRanks(LocalCoordinator):
     """A group of two in one process: the other rank has half this one's budget."""
 

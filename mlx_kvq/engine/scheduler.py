@@ -207,9 +207,12 @@ class Scheduler:
         if preempted:
             return StepPlan(tuple(preempted), tuple(exhausted))
         to_batch, speculate, admitted = self._admit()
-        if not self.running and self.waiting and not admitted and speculate is None:
-            # nothing runs, so nothing will free memory: the head of the queue
-            # (a sequence preempted long, resuming through a prompt chunk) never fits
+        idle = not (self.running or admitted or exhausted) and speculate is None
+        if idle and self.waiting:
+            # nothing runs and nothing ends in this plan (a sequence exhausted now
+            # holds its blocks until its rows leave the batch), so nothing will
+            # free memory: the head of the queue (a sequence preempted long,
+            # resuming through a prompt chunk) never fits
             seq = self.waiting.popleft()
             seq.status = RequestStatus.FINISHED
             exhausted.append(seq)
