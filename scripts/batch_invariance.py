@@ -1,0 +1,113 @@
+"""Whether a request's greedy answer depends on the requests beside it.
+
+    python scripts/batch_invariance.py --model /work/models/smollm2-135m-f32 \
+      --setting '' --setting '--kv-bits 0'
+
+Each setting's engine (in-process, no prompt cache) answers `--prompts`
+chat prompts cut from `--text` (windows of 100-300 words) one at a time,
+then all at once; for each prompt it prints whether the greedy tokens are
+equal, the first token where they part, and the largest difference of the
+chosen token's log-probability before it (0: bit-identical). Unquantized,
+the engine is batch-invariant; a difference says the KV setting's results
+depend on how the engine cuts a prompt into chunks, which depends on the
+prompts processed beside it (`runner.step`: every prompt of a step takes
+the same number of tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mlx_lm import load  # noqa: E402
+
+from mlx_kvq.commands.flags import add_kv_flags, kv_config, setting_namespaces  # noqa: E402
+from mlx_kvq.commands.startup import kv_setting, model_source  # noqa: E402
+from mlx_kvq.engine import Engine, EngineOptions, GenerationRequest, SamplingParams  # noqa: E402
+from mlx_kvq.engine.requests import TokenEvent  # noqa: E402
+from mlx_kvq.plan import plan_kv  # noqa: E402
+
+
+class Answer:
+    """The tokens of one request and the log-probability of each."""
+
+    def __init__(self) -> None:
+        self.tokens: list[tuple[int, float]] = []
+        self.done = threading.Event()
+
+    def __call__(self, event) -> None:
+        if isinstance(event, TokenEvent):
+            self.tokens.append((event.token, event.logprob))
+        else:
+            self.done.set()
+
+
+def answers(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[Answer]:
+    out = []
+    for p in prompts:
+        a = Answer()
+        engine.submit(GenerationRequest(p, SamplingParams(max_tokens=max_tokens, logprobs=True)), a)
+        out.append(a)
+    for a in out:
+        a.done.wait()
+    return out
+
+
+def compare(alone: Answer, together: Answer) -> str:
+    a, t = alone.tokens, together.tokens
+    part = next((i for i, (x, y) in enumerate(zip(a, t, strict=False)) if x[0] != y[0]), None)
+    seen = range(min(len(a), len(t)) if part is None else part)
+    worst = max((abs(a[i][1] - t[i][1]) for i in seen), default=0.0)
+    where = "equal" if part is None and len(a) == len(t) else f"part at token {part}"
+    return f"{where}, max |d logprob| before {worst:.2e}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
+    p.add_argument("--setting", action="append", required=True, help="KV flags (repeat)")
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=60)
+    p.add_argument("--prompt-concurrency", type=int, default=EngineOptions().prompt_concurrency)
+    add_kv_flags(p)
+    args = p.parse_args(argv)
+    spaces = setting_namespaces(args.setting, args)
+    for ns in spaces:  # refuse a bad setting before the model loads
+        kv_config(ns)
+    source = model_source(args)
+    model, tokenizer = load(args.model)
+    words = Path(args.text).read_text().split()
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Explain: " + " ".join(words[s : s + n])}],
+            add_generation_prompt=True,
+        )
+        for i in range(args.prompts)
+        for s, n in [((i * 997) % max(1, len(words) - 300), (100, 200, 300)[i % 3])]
+    ]
+    print(f"prompts of {[len(x) for x in prompts]} tokens, {args.max_tokens} generated")
+    for ns in spaces:
+        cfg = kv_setting(ns, source, model)
+        plan = plan_kv(model, cfg, batch=True)
+        options = EngineOptions(prompt_cache_size=0, prompt_concurrency=args.prompt_concurrency)
+        engine = Engine(model, tokenizer, plan, cfg, options)
+        engine.start()
+        try:
+            engine.readiness.ready_event.wait()
+            alone = [answers(engine, [x], args.max_tokens)[0] for x in prompts]
+            together = answers(engine, prompts, args.max_tokens)
+        finally:
+            engine.stop()
+        print(f"{cfg.describe()}:")
+        for i, (a, t) in enumerate(zip(alone, together, strict=True)):
+            print(f"  prompt {i}: {compare(a, t)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
