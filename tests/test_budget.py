@@ -26,7 +26,7 @@ from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
 
 from mlx_kvq.caches import cache_report
-from mlx_kvq.config import KVConfig
+from mlx_kvq.config import AUTO_BLOCK_SIZE, KVConfig
 from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 from mlx_kvq.engine import (
     BudgetShare,
@@ -524,14 +524,21 @@ def test_kv_cache_memory_sizes():
 
 def test_the_server_starts_with_a_budget_that_holds_one_useful_prompt(loaded):
     """--max-tokens reserves nothing: a budget far below one default request's
-    worst case starts, one that cannot hold a 256-token prompt is refused."""
+    worst case starts, one that cannot hold a 256-token prompt is refused,
+    priced in the layout the engine holds it in (paged here: padded rows
+    would price the prompt's chunk besides)."""
     from mlx_kvq.commands.serve import USEFUL_PROMPT, kv_cache_memory
     from mlx_kvq.engine.memory import DECODE_RESERVE
+    from mlx_kvq.engine.runner import choose_layout
 
     model, _ = loaded
     plan = plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
-    cost = share_for(plan, 1, prefill_step=2048, prompt_rows=8).cost
-    need = cost.bound([Shape(USEFUL_PROMPT, USEFUL_PROMPT + DECODE_RESERVE)])
+    layout = choose_layout(plan, AUTO_BLOCK_SIZE)
+    shape = Shape(USEFUL_PROMPT, USEFUL_PROMPT + DECODE_RESERVE)
+    cost = share_for(plan, 1, prefill_step=2048, prompt_rows=8, paged=layout.paged,
+                     block_size=layout.block_size).cost  # fmt: skip
+    need = cost.bound([shape])
+    assert need < share_for(plan, 1, prefill_step=2048, prompt_rows=8).cost.bound([shape])
     args = argparse.Namespace(
         kv_cache_memory=need, max_tokens=100_000, prefill_step_size=2048, prompt_concurrency=8
     )

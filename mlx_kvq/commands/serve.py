@@ -154,11 +154,18 @@ def engine_options(
         prompt_cache_bytes=args.prompt_cache_bytes,
         max_context=max_context,
         kv_cache_memory=kv_cache_memory,
-        block_size=AUTO_BLOCK_SIZE if args.kv_block_size is None else args.kv_block_size or None,
+        block_size=block_size_option(args),
         max_queued_requests=args.max_queued_requests,
         warmup_gate=warmup_gate,
         disk=disk,
     )
+
+
+def block_size_option(args: argparse.Namespace) -> int | str | None:
+    """`--kv-block-size` as the engine takes it: the plan's own (left out),
+    padded rows (0), or that many tokens."""
+    size = getattr(args, "kv_block_size", None)
+    return AUTO_BLOCK_SIZE if size is None else size or None
 
 
 def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> int:
@@ -177,6 +184,7 @@ def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> 
         weights_bytes,
     )
     from ..engine.memory import DECODE_RESERVE
+    from ..engine.runner import choose_layout
 
     if args.kv_cache_memory is not None:
         budget, how = args.kv_cache_memory, "--kv-cache-memory"
@@ -185,9 +193,13 @@ def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> 
         budget, how = default_budget(weights, machine_memory())
         how = f"default: {how}; set --kv-cache-memory to change it"
     log.info("KV cache memory: %s (%s)", format_bytes(budget), how)
+    # priced in the layout the engine will hold it in (paged where the plan pages)
+    on_disk = getattr(args, "prompt_cache_dir", None) is not None
+    layout = choose_layout(plan, block_size_option(args), on_disk=on_disk)
     share = share_for(
-        plan, budget, prefill_step=args.prefill_step_size, prompt_rows=args.prompt_concurrency
-    )
+        plan, budget, prefill_step=args.prefill_step_size, prompt_rows=args.prompt_concurrency,
+        paged=layout.paged, block_size=layout.block_size or 0,
+    )  # fmt: skip
     prompt = USEFUL_PROMPT
     if plan.max_context is not None:
         prompt = max(1, min(prompt, plan.max_context - DECODE_RESERVE))
