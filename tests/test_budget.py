@@ -611,18 +611,9 @@ def test_a_long_row_joining_short_ones_was_priced_at_its_admission(loaded, monke
     row joins the decoding batch after its prompt without asking the budget:
     long prompts (past residual + block) among short ones must not take the
     admitted rows' bound, or what they hold, past the budget at any step."""
-    from mlx_kvq.engine import Ledger
-
     model, tokenizer = loaded
     budget = 1_500_000
-    measured = []
-    check = Ledger.check
-
-    def spy(self, live, prompt_cache):
-        measured.append((live, self.reserved(), prompt_cache))
-        return check(self, live, prompt_cache)
-
-    monkeypatch.setattr(Ledger, "check", spy)
+    measured = spy_checks(monkeypatch)
     engine = _engine(model, tokenizer, DEFAULT_KV_CONFIG, budget, prompt_cache_size=0,
                      prompt_concurrency=4)  # fmt: skip
     try:
