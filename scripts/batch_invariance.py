@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_lm import load  # noqa: E402
 
-from mlx_kvq.commands.flags import add_kv_flags, kv_config, setting_namespaces  # noqa: E402
+from mlx_kvq.commands.flags import add_kv_flags, setting_namespaces  # noqa: E402
 from mlx_kvq.commands.startup import kv_setting, model_source  # noqa: E402
 from mlx_kvq.engine import Engine, EngineOptions, GenerationRequest, SamplingParams  # noqa: E402
 from mlx_kvq.engine.requests import TokenEvent  # noqa: E402
@@ -77,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     add_kv_flags(p)
     args = p.parse_args(argv)
     spaces = setting_namespaces(args.setting, args)
-    for ns in spaces:  # refuse a bad setting before the model loads
-        kv_config(ns)
     source = model_source(args)
     model, tokenizer = load(args.model)
     words = Path(args.text).read_text().split()

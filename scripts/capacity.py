@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_kvq.commands.flags import add_kv_flags, kv_config, setting_namespaces  # noqa: E402
+from mlx_kvq.commands.flags import add_kv_flags, setting_namespaces  # noqa: E402
 from mlx_kvq.commands.startup import kv_setting, load_weights, model_source  # noqa: E402
 from mlx_kvq.config import KVConfig  # noqa: E402
 from mlx_kvq.engine import EngineOptions, Shape  # noqa: E402
@@ -51,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     add_kv_flags(p)
     args = p.parse_args(argv)
     spaces = setting_namespaces(args.setting, args)
-    for ns in spaces:  # refuse a bad setting before the model loads
-        kv_config(ns)
     source = model_source(args)
     model = load_weights(source, args)
     budget = int(args.budget * 2**20)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_kvq.commands.flags import add_kv_flags, kv_config, setting_namespaces  # noqa: E402
+from mlx_kvq.commands.flags import add_kv_flags, setting_namespaces  # noqa: E402
 from mlx_kvq.commands.startup import kv_setting, load_weights, model_source  # noqa: E402
 from mlx_kvq.config import KVConfig  # noqa: E402
 from mlx_kvq.evaluate import held_storage  # noqa: E402
@@ -57,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.setting or measured):
         p.error("give --setting or --report")
     spaces = setting_namespaces(args.setting, args) if args.setting else []
-    for ns in spaces:  # refuse a bad setting before the model loads
-        kv_config(ns)
     source = model_source(args)
     model = load_weights(source, args)
     cfgs = [kv_setting(ns, source, model) for ns in spaces]

@@ -11,7 +11,7 @@ import argparse
 import json
 import time
 
-from .flags import add_eval_flags, kv_config, setting_namespaces
+from .flags import add_eval_flags, setting_namespaces
 from .startup import kv_setting, model_source
 
 
@@ -34,8 +34,6 @@ def run(args: argparse.Namespace) -> int:
     spaces = setting_namespaces(args.setting, args)
     if args.kv_block_size < 0:
         raise ValueError("--kv-block-size must be >= 0 (0: each cache's own layout)")
-    for ns in spaces:  # refuse a bad setting before the model loads
-        kv_config(ns)
     model, _, texts = load_eval_inputs(args.model, args.text, args.dtype)
     source = model_source(args)
     cfgs = [kv_setting(ns, source, model) for ns in spaces]

@@ -333,18 +333,24 @@ def add_setting_flag(parser: argparse.ArgumentParser, what: str) -> None:
 def setting_namespaces(texts: list[str] | None, base: argparse.Namespace) -> list:
     """One namespace of KV flags per `--setting` text, parsed over the KV flags
     of `base` (the command's own; a setting sets what it names); `base`'s
-    alone when there is none. A bad flag exits with status 2, naming the setting."""
+    alone when there is none. A bad flag exits with status 2, naming the
+    setting; a bad combination raises ValueError (`kv_config`), both before a
+    model loads."""
     values = {name: getattr(base, name, None) for name in kv_flag_names()}
     if not texts:
-        return [argparse.Namespace(**values)]
-    out = []
-    for text in texts:
-        parser = argparse.ArgumentParser(prog=f"--setting {text!r}", add_help=False)
-        add_kv_flags(parser)
-        defaults = vars(parser.parse_args([]))
-        merged = {k: (defaults[k] if v is None and defaults[k] is not None else v)
-                  for k, v in values.items()}  # fmt: skip
-        out.append(parser.parse_args(shlex.split(text), namespace=argparse.Namespace(**merged)))
+        out = [argparse.Namespace(**values)]
+    else:
+        out = []
+        for text in texts:
+            parser = argparse.ArgumentParser(prog=f"--setting {text!r}", add_help=False)
+            add_kv_flags(parser)
+            defaults = vars(parser.parse_args([]))
+            merged = {k: (defaults[k] if v is None and defaults[k] is not None else v)
+                      for k, v in values.items()}  # fmt: skip
+            ns = argparse.Namespace(**merged)
+            out.append(parser.parse_args(shlex.split(text), namespace=ns))
+    for ns in out:
+        kv_config(ns)
     return out
 
 

@@ -39,7 +39,8 @@ partly used first block; a split row, the tokens `residual` or more before
 its end). A split row's exact tokens are held beside the pools, in its
 batch's tail buffer, whose rows all get the longest tail's slots: they are
 priced at the longest admitted row's slots (`beside_pools`), since a row
-joins the decoding batch without asking the budget. Layers that keep their own layout are priced as above.
+joins the decoding batch without asking the budget. Layers that keep their
+own layout are priced as above.
 
 `CostModel.bound(shapes, prompting)` is the bound for a set of sequences
 (the capacity line, a prompt that never fits), `Ledger` keeps the admitted
@@ -276,8 +277,7 @@ class CostModel:
                 blocks = blocks_held(self._in_blocks(s, tokens), self.block_size, s.window, chunk=0)
                 total += blocks * self.block_bytes(s.key)
                 # and exact beside its blocks: its sinks and a tail of its own
-                most = tail_slots(None, s.residual, self.block_size)
-                total += s.exact * (s.sinks + min(tokens, most))
+                total += s.exact * (s.sinks + min(tokens, s.residual + self.block_size))
             else:
                 n = tokens if s.window is None else min(tokens, s.window - 1 + self.prefill_step)
                 total += self.slot_bytes(s, n)

@@ -72,13 +72,12 @@ def tail_capacity(need: int, residual: int, block_size: int) -> int:
     return need if need >= most else min(most, -(-need // TAIL_STEP) * TAIL_STEP)
 
 
-def tail_slots(longest: int | None, residual: int, block_size: int) -> int:
+def tail_slots(longest: int, residual: int, block_size: int) -> int:
     """The most slots a row holds in its batch's tail buffer between steps
-    when the batch's longest row holds `longest` tokens (None: however many):
-    a tail holds no more tokens than its row, and fewer than `residual +
-    block_size`, and the buffer is cut back to its longest tail when rows leave."""
-    most = residual + block_size
-    return most if longest is None else tail_capacity(min(longest, most), residual, block_size)
+    when the batch's longest row holds `longest` tokens: a tail holds no more
+    tokens than its row, and fewer than `residual + block_size`, and the
+    buffer is cut back to its longest tail when rows leave."""
+    return tail_capacity(min(longest, residual + block_size), residual, block_size)
 
 
 def _tail_len(tail: Tail) -> int:
