@@ -354,7 +354,6 @@ def _attend_rows(q, k, v, mask, sinks, dtype, shape, dense=None):
     layout); a `Causal` mask is applied there without a mask matrix.
     """
     B, n_kv, n_rep, L = shape
-    dense = dense if n_rep * L >= _DEQUANT_ROWS else None
     scores = _scores(q, k, dtype, dense)  # (B, n_kv, n_rep * L, S)
     S = scores.shape[-1]
     native = _native() and dtype == mx.float32
@@ -396,7 +395,7 @@ def _attend(q, k, v, mask, sinks, dtype, shape, dense):
     """`_attend_rows`, split per (sequence, KV head) on the CPU (see _SPLIT_LIMIT)."""
     B, n_kv, n_rep, L = shape
     few = 1 < B * n_kv <= _SPLIT_LIMIT
-    native_rows = n_rep * L < _DEQUANT_ROWS and _native()  # reads the views in place
+    native_rows = dense is None and _native()  # reads the views in place
     if not few or k.shape[2] < _SPLIT_MIN_TOKENS or not _on_cpu() or native_rows:
         return _attend_rows(q, k, v, mask, sinks, dtype, shape, dense)
     if sinks is not None:
@@ -424,6 +423,7 @@ def quantized_attention(
     scale: float,
     mask: mx.array | str | None = None,
     sinks: mx.array | None = None,
+    rows: int | None = None,
 ) -> mx.array:
     """Attention where keys and/or values are packed (`QuantizedKV`), or in
     the split layout (`SplitKV`: unquantized sinks and tail around a
@@ -433,14 +433,18 @@ def quantized_attention(
     boolean, additive, 1-D windowed, batched, per head), sinks, rotated K/V
     and different key/value bit widths. Long query runs are split into
     blocks so the score matrix never spans the whole prefill at once.
+    `rows` (default: this call's) are the query rows per KV head that choose
+    the products, one choice for every block: a query's arithmetic does not
+    depend on the block it falls in.
     """
     out_dtype = queries.dtype
     dtype = compute_dtype(out_dtype)
-    dense = _dense_dtype(out_dtype)
     B, n_q, L, D = queries.shape
     n_kv = keys.shape[1]
     S = keys.shape[2]
     n_rep = n_q // n_kv
+    many = (n_rep * L if rows is None else rows) >= _DEQUANT_ROWS
+    dense = _dense_dtype(out_dtype) if many else None
     q = queries.astype(dtype) * scale
     if isinstance(keys, QuantizedKV) and keys.rotated:
         q = rotate(q)
@@ -628,28 +632,63 @@ def split_rows_attention(
     """Attention over a batch of split-layout rows (`SplitRows`), each over
     its own tokens with a mask from positions (causal, the window when set,
     the head always visible); only None and "causal" masks are accepted, as
-    for paged K/V."""
+    for paged K/V. A row with a `Reread` attends in runs of queries that
+    read the same body, each over exactly what a decode at its queries read."""
     if mask is not None and not isinstance(mask, str):
         raise ValueError(
             "split-layout batches take masks from positions; this model passes a mask array "
             "(serve it with --kv-residual 0 --kv-sinks 0 --kv-key-scales token)"
         )
-    B, _, L, _ = queries.shape
+    B, n_q, L, _ = queries.shape
+    rows = n_q // keys.shape[1] * L  # every run takes the products the whole write takes
     out = []
     for b in range(B):
         head, first, end = keys.heads[b], keys.firsts[b], keys.ends[b]
-        m = None
-        if keys.window is None and first == head:  # one run of positions [0, end)
-            m = "causal" if L > 1 else None
-        elif L > 1 or (keys.window is not None and first < end - keys.window):
-            pos = keys.positions(b)[None]
-            q = mx.arange(end - L, end)[:, None]
-            m = pos <= q
-            if keys.window is not None:
-                m = m & ((pos > q - keys.window) | (mx.arange(pos.size)[None] < head))
-        out.append(quantized_attention(queries[b : b + 1], keys.rows[b], values.rows[b],
-                                       scale, m, sinks))  # fmt: skip
+        q, k, v = queries[b : b + 1], keys.rows[b], values.rows[b]
+        reread = keys.rereads[b] if keys.rereads else None
+        if reread is None:
+            out.append(_split_row(q, k, v, head, first, end, keys.window, scale, sinks))
+            continue
+        runs = []
+        for q0, q1, e in reread.runs(end - L, end):
+            qr = q[:, :, q0 - end + L : q1 - end + L]
+            # before the first block (and the head laid out with it) every key is exact
+            h, f = (0, 0) if e < head else (head, first)
+            kr = _as_decoded(k, reread.keys, h, f, e, q1, reread.start)
+            vr = _as_decoded(v, reread.values, h, f, e, q1, reread.start)
+            runs.append(_split_row(qr, kr, vr, h, f, q1, keys.window, scale, sinks, rows))
+        out.append(runs[0] if len(runs) == 1 else mx.concatenate(runs, axis=2))
     return out[0] if B == 1 else mx.concatenate(out, axis=0)
+
+
+def _split_row(q, k: SplitKV, v: SplitKV, head: int, first: int, end: int,
+               window: int | None, scale: float, sinks, rows: int | None = None) -> mx.array:  # fmt: skip
+    """One split-layout row: it holds its first `head` positions, then the
+    run `[first, end)`; its queries are the last before `end`."""
+    L = q.shape[2]
+    m = None
+    if window is None and first == head:  # one run of positions [0, end)
+        m = "causal" if L > 1 else None
+    elif L > 1 or (window is not None and first < end - window):
+        pos = mx.concatenate([mx.arange(head), mx.arange(first, end)])[None]
+        at = mx.arange(end - L, end)[:, None]
+        m = pos <= at
+        if window is not None:
+            m = m & ((pos > at - window) | (mx.arange(pos.size)[None] < head))
+    return quantized_attention(q, k, v, scale, m, sinks, rows)
+
+
+def _as_decoded(x: SplitKV, exact: mx.array, head: int, first: int, body_end: int,
+                end: int, start: int) -> SplitKV:  # fmt: skip
+    """Keys or values of a row as a decode at a query before `end` read them:
+    the `head` first positions, the body (from `first`) before `body_end`,
+    then `exact` (positions from `start`) from `body_end` to `end`."""
+    tail = exact[..., body_end - start : end - start, :]
+    body = None
+    if body_end > first and x.body is not None:
+        n = body_end - first
+        body = x.body.tokens(0, n) if isinstance(x.body, QuantizedKV) else x.body[..., :n, :]
+    return SplitKV(x.head if head else None, body, tail)
 
 
 def paged_split_attention(
@@ -663,13 +702,14 @@ def paged_split_attention(
     """Attention over split-layout rows in blocks (`PagedSplitKV`). On the
     CPU with the native kernels, few query rows (decode) read the blocks in
     place through the tables and each row's exact sinks and tail as they are
-    held (`kernels.paged_split_attention`); otherwise each row is laid out
-    (`SplitRows`) for `split_rows_attention`."""
+    held (`kernels.paged_split_attention`); otherwise, and after a write that
+    quantized tokens its own queries read exact (`Reread`), each row is laid
+    out (`SplitRows`) for `split_rows_attention`."""
     B, n_q, L, D = queries.shape
     n_kv = keys.shape[1]
     n_rep = n_q // n_kv
     packed = isinstance(keys.pool, QuantizedKV) and isinstance(values.pool, QuantizedKV)
-    if not (packed and n_rep * L < _DEQUANT_ROWS and _native()):
+    if keys.rereads or not (packed and n_rep * L < _DEQUANT_ROWS and _native()):
         return split_rows_attention(queries, keys.rows(), values.rows(), scale, mask, sinks)
     if mask is not None and not isinstance(mask, str):
         raise ValueError(

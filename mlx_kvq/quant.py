@@ -189,6 +189,46 @@ class SplitKV:
 
 
 @dataclass(frozen=True, eq=False)
+class Reread:
+    """What one multi-token write of a split-layout row quantized while it
+    ran, kept exact for that write's own queries: the query at position `q`
+    reads the body before `body_end(q)` quantized and every later key exact,
+    as a token-by-token decode would have at `q`. So what a prompt's tokens
+    see does not depend on where its chunks end (docs/server.md, "Same
+    input, same output").
+
+    `keys`/`values` (1, H, n, D) are the row's exact tokens `[start, end)`
+    before the write quantized any: `start` is where its body ended before
+    the write, `stop` where it ends after. A decode moves a `unit` of tokens
+    to the body each time `residual + unit` are exact, so that is the rule."""
+
+    keys: mx.array
+    values: mx.array
+    start: int
+    stop: int
+    residual: int
+    unit: int
+
+    def body_end(self, position: int) -> int:
+        """Where the body ends for the query at `position` (a decode's, after
+        writing it)."""
+        moved = max(0, position + 1 - self.start - self.residual) // self.unit * self.unit
+        return min(self.stop, self.start + moved)
+
+    def runs(self, first: int, end: int) -> list[tuple[int, int, int]]:
+        """The queries at positions `[first, end)` as runs `(q0, q1, body
+        end)` of queries that read the same body."""
+        out: list[tuple[int, int, int]] = []
+        q = first
+        while q < end:
+            e = self.body_end(q)
+            q1 = end if e >= self.stop else min(end, e + self.unit + self.residual - 1)
+            out.append((q, q1, e))
+            q = q1
+        return out
+
+
+@dataclass(frozen=True, eq=False)
 class SplitRows:
     """A batch of split-layout rows as attention receives them: row `b`
     (`rows[b]`, batch axis of size 1) holds its first `heads[b]` positions,
@@ -202,6 +242,7 @@ class SplitRows:
     firsts: tuple[int, ...]
     ends: tuple[int, ...]
     window: int | None = None
+    rereads: tuple[Reread | None, ...] = ()  # per row, after a write that quantized
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -239,6 +280,7 @@ class PagedSplitKV:
     sinks: tuple[mx.array | None, ...]
     tail: mx.array | None  # (rows, H, capacity, D): each row's exact tail first
     rows: Callable[[], SplitRows]
+    rereads: bool = False  # a row's write quantized tokens its queries read exact (`Reread`)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

@@ -33,7 +33,7 @@ import copy
 import mlx.core as mx
 
 from .config import QuantSpec
-from .quant import QuantizedKV, SplitKV, Store, rotate, scale_dtype
+from .quant import QuantizedKV, Reread, SplitKV, Store, rotate, scale_dtype
 
 GROW = 128  # tokens of body capacity added at a time: a multiple of every group
 # size, so a body of whole 128-token groups wastes nothing (mlx-lm's caches grow by 256)
@@ -280,12 +280,16 @@ class SplitStore(_Copyable):
         return scale_dtype(self.dtype or mx.float16)
 
     # -- writing --------------------------------------------------------------
-    def append(self, keys: mx.array, values: mx.array, limit: int | None = None) -> None:
+    def append(self, keys: mx.array, values: mx.array, limit: int | None = None) -> Reread | None:
         """Write `keys`/`values` (B, H, n, D) after the held tokens; tokens at
         or past position `limit` (a right-padded prompt's padding) are never
-        quantized (they are trimmed before anything else is written)."""
+        quantized (they are trimmed before anything else is written).
+        Returns, when the write quantized tokens and has several queries, the
+        exact tokens they read (`Reread`: the queries then read what a
+        token-by-token decode would have)."""
         if self.dtype is None:
             self.dtype = keys.dtype
+        n = keys.shape[2]
         if not self.raw:
             keys, values = keys.astype(self.exact_dtype), values.astype(self.exact_dtype)
         if self.head_len < self.sinks and self.body_len == self.tail_len == self.dropped == 0:
@@ -303,8 +307,14 @@ class SplitStore(_Copyable):
                 a = getattr(self, name)
                 if a is not None:
                     setattr(self, name, a.astype(dt))
-        if not self.raw:
-            self.flush(limit)
+        if self.raw:
+            return None
+        start, before = self.offset - self.tail_len, (self.tail_k, self.tail_v)
+        self.flush(limit)
+        stop = self.offset - self.tail_len
+        if stop == start or n < 2:
+            return None
+        return Reread(*before, start, stop, self.residual, self.unit)
 
     def flush(self, limit: int | None = None) -> None:
         """Move whole units from the tail to the body while more than

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache, create
 
 from ..config import QuantSpec
 from ..mlx_lm_internals import BaseCache
-from ..quant import SplitRows
+from ..quant import Reread, SplitRows
 from ..split import GROW, SplitStore
 from .base import DEQUANTIZED, DTYPES, PACKED, KVQCache
 
@@ -51,10 +51,11 @@ class SplitCache(KVQCache):
 
     limit: int | None = None  # a right-padded prompt's end: what follows is padding
 
-    def _write(self, keys: mx.array, values: mx.array) -> None:
+    def _write(self, keys: mx.array, values: mx.array) -> Reread | None:
         self._remember_dtype(keys)
-        self.store.append(keys, values, self.limit)
+        reread = self.store.append(keys, values, self.limit)
         self.offset += keys.shape[2]
+        return reread
 
     @property
     def _end(self) -> int:
@@ -72,8 +73,15 @@ class SplitCache(KVQCache):
         return self.store.fetch()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self._write(keys, values)
-        return self.keys_and_values()
+        reread = self._write(keys, values)
+        if reread is None or self.kind != "full" or self.hand_out == DEQUANTIZED:
+            return self.keys_and_values()
+        # its queries read what a decode would have: a row of `SplitRows`
+        k, v, (head, first, end) = self.fetch_row()
+        return (
+            SplitRows((k,), (head,), (first,), (end,), rereads=(reread,)),
+            SplitRows((v,), (head,), (first,), (end,), rereads=(reread,)),
+        )
 
     def empty(self) -> bool:
         return self.store.held == 0
@@ -368,13 +376,14 @@ class KVQSplitBatchCache(BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if keys.shape[0] != len(self.rows):
             raise ValueError(f"split batch has {len(self.rows)} rows, got {keys.shape[0]}")
+        rereads = []
         for b, r in enumerate(self.rows):
             if isinstance(r, KVQSplitWindowCache):
                 r.store.drop_before(r._drop_point())
-            r._write(keys[b : b + 1], values[b : b + 1])
-        return self.keys_and_values()
+            rereads.append(r._write(keys[b : b + 1], values[b : b + 1]))
+        return self.keys_and_values(tuple(rereads) if any(rereads) else ())
 
-    def keys_and_values(self):
+    def keys_and_values(self, rereads: tuple = ()):
         if self.hand_out == DEQUANTIZED:
             raise NotImplementedError(
                 "split-layout batches hand attention packed rows; this model needs arrays "
@@ -390,8 +399,8 @@ class KVQSplitBatchCache(BaseCache):
             ends.append(e)
         window = self.rows[0].window if self.bounded and self.rows else None
         return (
-            SplitRows(tuple(ks), tuple(heads), tuple(firsts), tuple(ends), window),
-            SplitRows(tuple(vs), tuple(heads), tuple(firsts), tuple(ends), window),
+            SplitRows(tuple(ks), tuple(heads), tuple(firsts), tuple(ends), window, rereads),
+            SplitRows(tuple(vs), tuple(heads), tuple(firsts), tuple(ends), window, rereads),
         )
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_):

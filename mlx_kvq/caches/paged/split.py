@@ -44,7 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...config import QuantSpec
-from ...quant import PagedSplitKV, QuantizedKV, SplitKV, SplitRows, scale_dtype
+from ...quant import PagedSplitKV, QuantizedKV, Reread, SplitKV, SplitRows, scale_dtype
 from .base import KVQPagedSequence, PagedBatch
 from .blocks import BlockTable
 from .pool import BlockPool
@@ -310,8 +310,21 @@ class KVQPagedSplitCache(PagedBatch):
             for i, (t, (tk, tv)) in enumerate(zip(self.tables, self.tails, strict=True)):
                 tail = (_cat(tk, keys[i : i + 1]), _cat(tv, values[i : i + 1]))
                 rows.append((t, tail, limits[i]))
+            starts = [t.length for t in self.tables]
             self._hold(flush(self.pool, rows))
+            if N > 1:
+                return self._paged_view(self._lengths(), self._rereads(rows, starts))
         return self._paged_view(self._lengths())
+
+    def _rereads(self, rows: list, starts: list[int]) -> tuple:
+        """Each row's `Reread` after a write of several tokens that moved
+        some of them into blocks (None for the others; () for none)."""
+        R, bs = self.pool.storage.residual, self.pool.block_size
+        out = tuple(
+            None if t.length == s else Reread(*tail, s, t.length, R, bs)
+            for (t, tail, _), s in zip(rows, starts, strict=True)
+        )
+        return out if any(out) else ()
 
     def _append_one(self, keys: mx.array, values: mx.array) -> None:
         """A decode step: every row's token written into the buffer at once;
@@ -341,9 +354,12 @@ class KVQPagedSplitCache(PagedBatch):
             self.buffer = (bk, bv)
         self._sync()
 
-    def _paged_view(self, ends: list[int]) -> tuple[PagedSplitKV, PagedSplitKV]:
+    def _paged_view(
+        self, ends: list[int], rereads: tuple = ()
+    ) -> tuple[PagedSplitKV, PagedSplitKV]:
         """The rows as they are held (`PagedSplitKV`): the pool, the tables,
-        each row's exact sinks and tail; laid out per row only if asked."""
+        each row's exact sinks and tail; laid out per row only if asked (and
+        always after a write whose queries read tokens it quantized exact)."""
         st = self.pool.storage
         bk, bv = self.buffer
         if st.keys is not None:
@@ -351,14 +367,14 @@ class KVQPagedSplitCache(PagedBatch):
         elif bk is not None:  # no block yet: every row is its tail
             pool_k, pool_v = st.no_blocks(bk.shape[1], bk.shape[3], bv.shape[3], bk.dtype)
         else:
-            return self._view(ends)
+            return self._view(ends, rereads)
         blocks = tuple(len(t.ids) for t in self.tables)
         tables = np.zeros((len(blocks), max((1, *blocks))), dtype=np.int32)
         for i, t in enumerate(self.tables):
             tables[i, : len(t.ids)] = t.ids
         tables.flags.writeable = False
         sinks = [st.sinks.get(t.ids[0]) if t.ids else None for t in self.tables]
-        per_row = cache(lambda: self._view(ends))
+        per_row = cache(lambda: self._view(ends, rereads))
         ends = tuple(ends)
 
         def view(side: int, pool) -> PagedSplitKV:
@@ -371,12 +387,12 @@ class KVQPagedSplitCache(PagedBatch):
             return PagedSplitKV(
                 parts, self.pool.block_size, tables, blocks, ends,
                 tuple(None if s is None else s[side] for s in sinks),
-                self.buffer[side], lambda: per_row()[side],
+                self.buffer[side], lambda: per_row()[side], bool(rereads),
             )  # fmt: skip
 
         return view(0, pool_k), view(1, pool_v)
 
-    def _view(self, ends: list[int]) -> tuple[SplitRows, SplitRows]:
+    def _view(self, ends: list[int], rereads: tuple = ()) -> tuple[SplitRows, SplitRows]:
         ks, vs, heads = [], [], []
         for t, tail in zip(self.tables, self.tails, strict=True):
             k, v, head = row_kv(self.pool, t, tail)
@@ -385,8 +401,8 @@ class KVQPagedSplitCache(PagedBatch):
             heads.append(head)
         heads = tuple(heads)  # one run of positions: the head, then the rest
         return (
-            SplitRows(tuple(ks), heads, heads, tuple(ends)),
-            SplitRows(tuple(vs), heads, heads, tuple(ends)),
+            SplitRows(tuple(ks), heads, heads, tuple(ends), rereads=rereads),
+            SplitRows(tuple(vs), heads, heads, tuple(ends), rereads=rereads),
         )
 
     def keys_and_values(self):
