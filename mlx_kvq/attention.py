@@ -57,17 +57,27 @@ _SCORE_BUDGET = 1 << 24
 _GROUP_SLACK = 1.25
 
 
-# CPU only: with at least this many query rows per KV head (prefill chunks,
-# speculative verification), both products (scores and the weighted values)
-# dequantize K/V one block of _KEY_BLOCK tokens at a time and multiply
-# densely: MLX's CPU `quantized_matmul` is 10-40x slower than a dense float32
-# product once there are more than a few rows (it is not a BLAS call), while
-# the dequantization is cheap next to the product. Decode (a few rows) keeps
-# `quantized_matmul`, so no dequantized copy of a long cache ever exists. A
-# block is `_KEY_BLOCK` tokens, or more while its dequantized copy stays
-# smaller than the score matrix of the same rows (then one block usually
-# covers the cache, saving the concatenation and slicing of scores).
-_DEQUANT_ROWS = 16
+# CPU only: a prompt chunk (two query positions a sequence or more, and
+# speculative verification) takes both products (scores and the weighted
+# values) by dequantizing K/V one block of _KEY_BLOCK tokens at a time and
+# multiplying densely: MLX's CPU `quantized_matmul` is 10-40x slower than a
+# dense float32 product once there are more than a few rows (it is not a BLAS
+# call), while the dequantization is cheap next to the product. Decode (one
+# position a sequence) keeps the packed products (the native kernels), so no
+# dequantized copy of a long cache ever exists. The two round differently, so
+# the choice follows the sequence's positions, never the rows of the batch
+# or the size of a chunk: a prompt's result does not depend on where its
+# chunks end. A block is `_KEY_BLOCK` tokens, or more while its dequantized
+# copy stays smaller than the score matrix of the same rows (then one block
+# usually covers the cache, saving the concatenation and slicing of scores).
+_PROMPT_POSITIONS = 2
+
+
+def _prompt_chunk(positions: int) -> bool:
+    """Whether `positions` queries a sequence take a prompt chunk's products."""
+    return positions >= _PROMPT_POSITIONS
+
+
 _KEY_BLOCK = 4096
 
 
@@ -423,7 +433,7 @@ def quantized_attention(
     scale: float,
     mask: mx.array | str | None = None,
     sinks: mx.array | None = None,
-    rows: int | None = None,
+    positions: int | None = None,
 ) -> mx.array:
     """Attention where keys and/or values are packed (`QuantizedKV`), or in
     the split layout (`SplitKV`: unquantized sinks and tail around a
@@ -433,9 +443,9 @@ def quantized_attention(
     boolean, additive, 1-D windowed, batched, per head), sinks, rotated K/V
     and different key/value bit widths. Long query runs are split into
     blocks so the score matrix never spans the whole prefill at once.
-    `rows` (default: this call's) are the query rows per KV head that choose
-    the products, one choice for every block: a query's arithmetic does not
-    depend on the block it falls in.
+    `positions` (default: this call's) are the query positions a sequence of
+    the write these queries belong to, which choose the products once for
+    every block (`_prompt_chunk`).
     """
     out_dtype = queries.dtype
     dtype = compute_dtype(out_dtype)
@@ -443,8 +453,7 @@ def quantized_attention(
     n_kv = keys.shape[1]
     S = keys.shape[2]
     n_rep = n_q // n_kv
-    many = (n_rep * L if rows is None else rows) >= _DEQUANT_ROWS
-    dense = _dense_dtype(out_dtype) if many else None
+    dense = _dense_dtype(out_dtype) if _prompt_chunk(positions or L) else None
     q = queries.astype(dtype) * scale
     if isinstance(keys, QuantizedKV) and keys.rotated:
         q = rotate(q)
@@ -484,9 +493,9 @@ def quantized_attention(
     return out.astype(out_dtype)
 
 
-def _prefill_rows(queries: mx.array, keys: mx.array) -> bool:
+def _prefill_rows(queries: mx.array) -> bool:
     """Whether there are as many query rows per KV head as prefill has."""
-    return queries.shape[2] * (queries.shape[1] // keys.shape[1]) >= _DEQUANT_ROWS
+    return _prompt_chunk(queries.shape[2])
 
 
 def _by_tokens(x) -> bool:
@@ -529,7 +538,7 @@ def paged_attention(
     B, n_q, L, D = queries.shape
     n_kv = keys.pool.shape[2]
     n_rep = n_q // n_kv
-    if n_rep * L < _DEQUANT_ROWS and _native() and _native_reads(keys, values):
+    if not _prompt_chunk(L) and _native() and _native_reads(keys, values):
         q = queries.astype(mx.float32) * scale
         if keys.rotated:
             q = rotate(q)
@@ -640,7 +649,6 @@ def split_rows_attention(
             "(serve it with --kv-residual 0 --kv-sinks 0 --kv-key-scales token)"
         )
     B, n_q, L, _ = queries.shape
-    rows = n_q // keys.shape[1] * L  # every run takes the products the whole write takes
     out = []
     for b in range(B):
         head, first, end = keys.heads[b], keys.firsts[b], keys.ends[b]
@@ -656,13 +664,13 @@ def split_rows_attention(
             h, f = (0, 0) if e < head else (head, first)
             kr = _as_decoded(k, reread.keys, h, f, e, q1, reread.start)
             vr = _as_decoded(v, reread.values, h, f, e, q1, reread.start)
-            runs.append(_split_row(qr, kr, vr, h, f, q1, keys.window, scale, sinks, rows))
+            runs.append(_split_row(qr, kr, vr, h, f, q1, keys.window, scale, sinks, L))
         out.append(runs[0] if len(runs) == 1 else mx.concatenate(runs, axis=2))
     return out[0] if B == 1 else mx.concatenate(out, axis=0)
 
 
 def _split_row(q, k: SplitKV, v: SplitKV, head: int, first: int, end: int,
-               window: int | None, scale: float, sinks, rows: int | None = None) -> mx.array:  # fmt: skip
+               window: int | None, scale: float, sinks, positions: int | None = None) -> mx.array:  # fmt: skip
     """One split-layout row: it holds its first `head` positions, then the
     run `[first, end)`; its queries are the last before `end`."""
     L = q.shape[2]
@@ -675,7 +683,7 @@ def _split_row(q, k: SplitKV, v: SplitKV, head: int, first: int, end: int,
         m = pos <= at
         if window is not None:
             m = m & ((pos > at - window) | (mx.arange(pos.size)[None] < head))
-    return quantized_attention(q, k, v, scale, m, sinks, rows)
+    return quantized_attention(q, k, v, scale, m, sinks, positions)
 
 
 def _as_decoded(x: SplitKV, exact: mx.array, head: int, first: int, body_end: int,
@@ -709,7 +717,7 @@ def paged_split_attention(
     n_kv = keys.shape[1]
     n_rep = n_q // n_kv
     packed = isinstance(keys.pool, QuantizedKV) and isinstance(values.pool, QuantizedKV)
-    if keys.rereads or not (packed and n_rep * L < _DEQUANT_ROWS and _native()):
+    if keys.rereads or not (packed and not _prompt_chunk(L) and _native()):
         return split_rows_attention(queries, keys.rows(), values.rows(), scale, mask, sinks)
     if mask is not None and not isinstance(mask, str):
         raise ValueError(
@@ -769,7 +777,7 @@ def scaled_dot_product_attention(
             return MLX_LM_ATTENTION(queries, keys, values, cache, scale=scale, mask=mask)
         keys = QuantizedKV(*keys, cache.bits, cache.group_size)
         values = QuantizedKV(*values, cache.bits, cache.group_size)
-    if packed or (_prefill_rows(queries, keys) and isinstance(mask, str) and _native()):
+    if packed or (_prefill_rows(queries) and isinstance(mask, str) and _native()):
         # prefill over raw K/V on the CPU too: blocked products, the native
         # causal softmax, and only the keys each block sees (mx.fast's CPU
         # path materializes every score and exps them one at a time)

@@ -60,6 +60,12 @@ def _length(a: mx.array | None) -> int:
     return 0 if a is None else a.shape[2]
 
 
+def least_trim(limits) -> int | None:
+    """The least of some `exact_trim` limits (None: no limit)."""
+    known = [n for n in limits if n is not None]
+    return min(known) if known else None
+
+
 class TokenBody(_Copyable):
     """Token-major body (B, H, N, D): a `Store` (quantized per token, or raw)."""
 
@@ -380,6 +386,15 @@ class SplitStore(_Copyable):
             self.head_k = self.head_k[..., :keep, :] if keep else None
             self.head_v = self.head_v[..., :keep, :] if keep else None
         return n
+
+    def exact_trim(self) -> int | None:
+        """The most tokens `trim` takes back leaving what a decode to the
+        shorter length holds: the exact tokens past the last `residual` (a
+        trim into the body brings tokens back dequantized, where a decode
+        would hold them exact); None while nothing is quantized."""
+        if self.raw or self.body_len == 0:
+            return None
+        return max(0, self.tail_len - self.residual)
 
     def keep_rows(self, rows) -> None:
         """Only the batch rows `rows` (indices) stay."""

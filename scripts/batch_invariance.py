@@ -1,17 +1,19 @@
-"""Whether a request's greedy answer depends on the requests beside it.
+"""Whether a request's answer depends on the requests beside it or on the prompt cache.
 
     python scripts/batch_invariance.py --model /work/models/smollm2-135m-f32 \
       --setting '' --setting '--kv-bits 0'
 
-Each setting's engine (in-process, no prompt cache) answers `--prompts`
-chat prompts cut from `--text` (windows of 100-300 words) one at a time,
-then all at once; for each prompt it prints whether the greedy tokens are
-equal, the first token where they part, and the largest difference of the
-chosen token's log-probability before it (0: bit-identical). Unquantized,
-the engine is batch-invariant; a difference says the KV setting's results
-depend on how the engine cuts a prompt into chunks, which depends on the
-prompts processed beside it (`runner.step`: every prompt of a step takes
-the same number of tokens).
+Each setting's engine (in-process, the fast BLAS as the commands use it)
+answers `--prompts` chat prompts cut from `--text` (windows of 100-300
+words) one at a time on a fresh engine; then all at once on a fresh
+engine, in order and reversed; then each again alone on that last engine,
+whose prompt cache now holds every prompt. For each prompt and run it
+prints whether the tokens equal the first run's, the first token where they
+part, and the largest difference of the chosen token's log-probability
+before it (0: bit-identical). `--temperature` with `--seed` checks seeded
+sampling the same way. A difference says the results depend on how the
+engine cuts a prompt into chunks (`runner.step`: every prompt of a step
+takes the same number of tokens) or on where its prefix came from.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_lm import load  # noqa: E402
 
+from mlx_kvq import use_fast_blas  # noqa: E402
 from mlx_kvq.commands.flags import add_kv_flags, setting_namespaces  # noqa: E402
 from mlx_kvq.commands.startup import kv_setting, model_source  # noqa: E402
+from mlx_kvq.compute import prepare  # noqa: E402
 from mlx_kvq.engine import Engine, EngineOptions, GenerationRequest, SamplingParams  # noqa: E402
 from mlx_kvq.engine.requests import TokenEvent  # noqa: E402
 from mlx_kvq.plan import plan_kv  # noqa: E402
@@ -46,11 +50,11 @@ class Answer:
             self.done.set()
 
 
-def answers(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[Answer]:
+def answers(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Answer]:
     out = []
     for p in prompts:
         a = Answer()
-        engine.submit(GenerationRequest(p, SamplingParams(max_tokens=max_tokens, logprobs=True)), a)
+        engine.submit(GenerationRequest(p, params), a)
         out.append(a)
     for a in out:
         a.done.wait()
@@ -73,12 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setting", action="append", required=True, help="KV flags (repeat)")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=60)
-    p.add_argument("--prompt-concurrency", type=int, default=EngineOptions().prompt_concurrency)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
     add_kv_flags(p)
     args = p.parse_args(argv)
     spaces = setting_namespaces(args.setting, args)
     source = model_source(args)
+    use_fast_blas()
     model, tokenizer = load(args.model)
+    prepare(model)
     words = Path(args.text).read_text().split()
     prompts = [
         tokenizer.apply_chat_template(
@@ -89,21 +96,37 @@ def main(argv: list[str] | None = None) -> int:
         for s, n in [((i * 997) % max(1, len(words) - 300), (100, 200, 300)[i % 3])]
     ]
     print(f"prompts of {[len(x) for x in prompts]} tokens, {args.max_tokens} generated")
+    params = SamplingParams(
+        max_tokens=args.max_tokens, logprobs=True, temperature=args.temperature, seed=args.seed
+    )
+    alike_everywhere = 0
     for ns in spaces:
         cfg = kv_setting(ns, source, model)
         plan = plan_kv(model, cfg, batch=True)
-        options = EngineOptions(prompt_cache_size=0, prompt_concurrency=args.prompt_concurrency)
-        engine = Engine(model, tokenizer, plan, cfg, options)
-        engine.start()
-        try:
-            engine.readiness.ready_event.wait()
-            alone = [answers(engine, [x], args.max_tokens)[0] for x in prompts]
-            together = answers(engine, prompts, args.max_tokens)
-        finally:
-            engine.stop()
+        runs: dict[str, list[Answer]] = {}
+        for name in ("alone", "together", "reversed"):
+            engine = Engine(model, tokenizer, plan, cfg, EngineOptions())
+            engine.start()
+            try:
+                engine.readiness.ready_event.wait()
+                if name == "alone":
+                    runs[name] = [answers(engine, [x], params)[0] for x in prompts]
+                elif name == "together":
+                    runs[name] = answers(engine, prompts, params)
+                else:
+                    runs[name] = answers(engine, prompts[::-1], params)[::-1]
+                    runs["cached"] = [answers(engine, [x], params)[0] for x in prompts]
+            finally:
+                engine.stop()
         print(f"{cfg.describe()}:")
-        for i, (a, t) in enumerate(zip(alone, together, strict=True)):
-            print(f"  prompt {i}: {compare(a, t)}")
+        every = 0
+        for i, a in enumerate(runs["alone"]):
+            parts = {name: compare(a, r[i]) for name, r in runs.items() if name != "alone"}
+            same = all(x.startswith("equal") for x in parts.values())
+            every += same
+            print(f"  prompt {i}: " + "; ".join(f"{k} {v}" for k, v in parts.items()))
+        print(f"  alike in every run: {every} of {len(prompts)}")
+        alike_everywhere += every == len(prompts)
     return 0
 
 

@@ -11,6 +11,7 @@ from kvq_testing.archs import build_model as tiny_model
 
 from mlx_kvq.compute import (
     DENSE_ROWS,
+    MIN_BLAS_ROWS,
     BatchDenseQuantizedEmbedding,
     BatchDenseQuantizedLinear,
     prepare,
@@ -38,7 +39,7 @@ def test_an_explicit_dtype_is_kept():
     model = tiny_model("llama")
     model.set_dtype(mx.bfloat16)
     done = prepare(model, "bfloat16")
-    assert done.cast_from is None and done.line() is None
+    assert done.cast_from is None and "float32" not in done.line()
     assert _dtypes(model) == {mx.bfloat16}
     with pytest.raises(ValueError, match="--dtype"):
         prepare(model, "int8")
@@ -47,7 +48,9 @@ def test_an_explicit_dtype_is_kept():
 def test_float32_model_is_left_alone():
     model = tiny_model("llama")
     before = {k: v for k, v in nn.utils.tree_flatten(model.parameters())}
-    assert prepare(model).line() is None
+    done = prepare(model)
+    assert done.cast_from is None and done.dense_batch_layers == 0
+    assert "float32" not in done.line()
     after = dict(nn.utils.tree_flatten(model.parameters()))
     assert all(after[k] is v for k, v in before.items())
 
@@ -65,11 +68,30 @@ def test_quantized_layers_take_batches_through_the_dense_product():
     assert all(type(m) is BatchDenseQuantizedLinear for m in linears)
     assert all(type(m) is BatchDenseQuantizedEmbedding for m in embeddings)
     assert "weights stay packed" in done.line()
-    short = mx.array([[3] * (DENSE_ROWS - 1)])
-    assert mx.array_equal(model(short), reference(short))  # decode: the packed product
-    long = mx.array([list(range(1, DENSE_ROWS + 9))])
-    got, want = model(long), reference(long)
-    assert mx.abs(got - want).max().item() < 1e-3 * mx.abs(want).max().item()
+    # a decode step (one position a sequence): the packed product, whatever the batch
+    step = mx.array([[3]] * (DENSE_ROWS + 1))
+    assert mx.array_equal(model(step), reference(step))
+    # a prompt chunk (two positions or more): the dequantized weights on the BLAS
+    for chunk in (mx.array([[1, 2]]), mx.array([list(range(1, DENSE_ROWS + 9))])):
+        got, want = model(chunk), reference(chunk)
+        assert not mx.array_equal(got, want)
+        assert mx.abs(got - want).max().item() < 1e-3 * mx.abs(want).max().item()
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    """OpenBLAS's small-matrix kernels round otherwise than its large ones:
+    every product through the BLAS has at least MIN_BLAS_ROWS rows, so the
+    last rows of a chunk equal the same rows of a longer one, bit for bit."""
+    dense = tiny_model("llama")
+    quantized = tiny_model("llama")
+    nn.quantize(quantized, group_size=32, bits=4)
+    x = mx.random.normal((1, 300, 128), key=mx.random.key(2))
+    for model in (dense, quantized):
+        prepare(model)
+        layer = model.layers[0].mlp
+        whole = layer(x)
+        for n in (2, 3, 5, 9, MIN_BLAS_ROWS + 1):
+            assert mx.array_equal(layer(x[:, -n:]), whole[:, -n:]).item(), n
 
 
 def test_tied_output_layer_takes_batches_in_vocabulary_chunks(monkeypatch):

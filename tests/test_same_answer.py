@@ -9,8 +9,9 @@ import pytest
 from mlx_lm.models import llama
 
 from mlx_kvq.blas import use_linked_blas
-from mlx_kvq.caches import Pages, page_caches
+from mlx_kvq.caches import Pages, exact_trim_limit, page_caches
 from mlx_kvq.config import KVConfig
+from mlx_kvq.engine.prompt_cache import PromptCache
 from mlx_kvq.generate import get_plan
 
 TOKENS = mx.random.randint(0, 128, (1, 200), key=mx.random.key(4))
@@ -70,3 +71,37 @@ def _check_chunkings(paged: bool, sinks: int) -> None:
     decoded = _logits(model, plan, [1] * 200, paged)
     assert mx.abs(decoded - whole).max().item() < 1e-3
     assert mx.array_equal(decoded.argmax(-1), whole.argmax(-1)).item()
+
+
+def test_a_prompt_cache_copy_is_cut_back_only_where_it_holds_what_a_decode_would():
+    """A split layer's body cannot give its tokens back exact: the prompt
+    cache serves a prefix of an entry only where the cut stays in the exact
+    tail past the last `residual`, and keeps a shorter entry the longer one
+    cannot serve exactly."""
+    model = _tiny()
+    kv = KVConfig(
+        bits=4, group_size=32, key_scales="channel", key_group_size=32, residual=8,
+        sinks=4, rotation="hadamard",
+    )  # fmt: skip
+    plan = get_plan(model, kv)
+    tokens = TOKENS[0].tolist()
+    cache = plan.make_cache()
+    model(TOKENS[:, :150], cache=cache)
+    # 4 sinks, body [4, 132) in groups of 32, 18 exact: 10 past the residual
+    assert exact_trim_limit(cache) == 10
+    entries = PromptCache(max_entries=4)
+    assert entries.insert(tokens[:150], cache)
+    # a prompt sharing 145 tokens: 5 cut from the tail, exactly
+    _, covered = entries.fetch(tokens[:145] + [0, 0])
+    assert covered == 145
+    # sharing 120: the cut reaches into the body; no reuse
+    assert entries.fetch(tokens[:120] + [0, 0]) == (None, 0)
+    # a shorter entry the longer one cannot serve exactly stays beside it
+    short = plan.make_cache()
+    model(TOKENS[:, :100], cache=short)
+    entries = PromptCache(max_entries=4)
+    assert entries.insert(tokens[:100], short)
+    assert entries.insert(tokens[:150], cache)
+    assert len(entries) == 2
+    _, covered = entries.fetch(tokens[:100] + [0])
+    assert covered == 100

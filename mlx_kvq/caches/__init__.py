@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..split import least_trim
 from .base import DEQUANTIZED, PACKED, KVQCache
 from .chunked import KVQChunkedCache
 from .deepseek_v41 import KVQDeepseekV41Cache
@@ -92,6 +93,7 @@ __all__ = [
     "KVQSplitChunkedCache",
     "KVQSplitWindowCache",
     "cache_report",
+    "exact_trim_limit",
     "is_twin",
     "leaves",
     "report_leaves",
@@ -109,6 +111,16 @@ def _entry(c) -> dict:
         return {"kind": name, "quantized": c.quantized, "nbytes": nbytes, "tokens": int(c.size())}
     tokens = c.size() if hasattr(c, "size") else 0
     return {"kind": name, "quantized": False, "nbytes": nbytes, "tokens": int(tokens)}
+
+
+def exact_trim_limit(caches: list) -> int | None:
+    """The most tokens every layer of `caches` trims back to exactly what a
+    decode to the shorter length would hold (None: no limit beyond
+    `is_trimmable`): a split layer's body cannot give back exact tokens."""
+    ours = (KVQCache, PagedCache, KVQSplitBatchCache)
+    return least_trim(
+        leaf.exact_trim() for c in caches for leaf in report_leaves(c) if isinstance(leaf, ours)
+    )
 
 
 def cache_report(caches: list) -> list[dict]:

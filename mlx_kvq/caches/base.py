@@ -48,6 +48,11 @@ class KVQCache(BaseCache):
     bounded = False  # holds at most a fixed number of tokens (KVConfig.window_bits applies)
     step = 256
 
+    def exact_trim(self) -> int | None:
+        """The most tokens `trim` takes back leaving exactly what a decode to
+        the shorter length would hold (None: whatever it can trim)."""
+        return None
+
     def _init_specs(
         self, key_spec: QuantSpec, value_spec: QuantSpec, start: int = 0, hand_out: str = PACKED
     ) -> None:

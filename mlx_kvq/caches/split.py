@@ -28,7 +28,7 @@ from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache, create
 from ..config import QuantSpec
 from ..mlx_lm_internals import BaseCache
 from ..quant import Reread, SplitRows
-from ..split import GROW, SplitStore
+from ..split import GROW, SplitStore, least_trim
 from .base import DEQUANTIZED, DTYPES, PACKED, KVQCache
 
 
@@ -85,6 +85,9 @@ class SplitCache(KVQCache):
 
     def empty(self) -> bool:
         return self.store.held == 0
+
+    def exact_trim(self) -> int | None:
+        return self.store.exact_trim()
 
     @property
     def nbytes(self) -> int:
@@ -439,6 +442,9 @@ class KVQSplitBatchCache(BaseCache):
 
     def is_trimmable(self) -> bool:
         return all(r.is_trimmable() for r in self.rows)
+
+    def exact_trim(self) -> int | None:
+        return least_trim(r.exact_trim() for r in self.rows)
 
     def trim(self, n: int) -> int:
         return min((r.trim(n) for r in self.rows), default=0)

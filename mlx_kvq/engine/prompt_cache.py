@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
-from mlx_kvq.caches import cached_only_bytes, keep_in_prompt_cache
+from mlx_kvq.caches import cached_only_bytes, exact_trim_limit, keep_in_prompt_cache
 
 from .requests import Segment
 
@@ -72,6 +72,14 @@ def own_copy(cache: list[Any]) -> None:
         except AttributeError:  # a cache without a state setter keeps its arrays
             continue
     mx.eval([c.state for c in cache])
+
+
+def _trims_exactly(cache: list[Any], n: int) -> bool:
+    """Whether cutting `n` tokens off `cache` leaves what computing the
+    shorter prefix would (a split layer's quantized body cannot give back its
+    exact tokens: reusing it would change the answer, `exact_trim_limit`)."""
+    limit = exact_trim_limit(cache)
+    return limit is None or n <= limit
 
 
 def common_prefix(a: tuple[int, ...], b: list[int]) -> int:
@@ -154,6 +162,8 @@ class PromptCache:
             elif can_trim_prompt_cache(entry.cache):
                 use = min(shared, len(tokens) - 1)
                 trim = len(key) - use
+                if not _trims_exactly(entry.cache, trim):
+                    continue
             else:
                 continue
             if use > best_len:
@@ -244,9 +254,11 @@ class PromptCache:
         nbytes = cache_nbytes(cache)
         with self._lock:
             if can_trim_prompt_cache(cache):
-                # A trimmable longer cache serves every prefix: drop those.
+                # A trimmable longer cache serves every prefix it trims back to
+                # exactly: drop those.
                 for k in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
-                    self._drop(k)
+                    if _trims_exactly(cache, len(key) - len(k)):
+                        self._drop(k)
             self._entries[key] = _Entry(cache, nbytes, segment)
             self._order.push(None, key, segment.value)
             self._nbytes += nbytes

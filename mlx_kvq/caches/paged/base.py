@@ -57,6 +57,11 @@ class PagedCache(BaseCache):
     def _after_copy(self) -> None:
         pass
 
+    def exact_trim(self) -> int | None:
+        """The most tokens `trim` takes back leaving exactly what a decode to
+        the shorter length would hold (None: whatever it can trim)."""
+        return None
+
     @property
     def key_spec(self) -> QuantSpec:
         return self.pool.key_spec

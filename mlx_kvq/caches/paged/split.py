@@ -45,6 +45,7 @@ import numpy as np
 
 from ...config import QuantSpec
 from ...quant import PagedSplitKV, QuantizedKV, Reread, SplitKV, SplitRows, scale_dtype
+from ...split import least_trim
 from .base import KVQPagedSequence, PagedBatch
 from .blocks import BlockTable
 from .pool import BlockPool
@@ -181,6 +182,13 @@ def trim(pool: BlockPool, table: BlockTable, tail: Tail, n: int) -> tuple[Tail, 
     table.trim(nb * bs)
     keep = nb * bs - left
     return _cut((k, v), 0, keep), n
+
+
+def exact_trim(table: BlockTable, tail: Tail, residual: int) -> int | None:
+    """The most tokens a row trims back to what a decode to the shorter
+    length holds: its exact tokens past the last `residual` (blocks come back
+    dequantized); None before its first block."""
+    return None if not table.length else max(0, _tail_len(tail) - residual)
 
 
 def _first(sink: mx.array, body, cut: int) -> mx.array:
@@ -440,6 +448,12 @@ class KVQPagedSplitCache(PagedBatch):
     def is_trimmable(self) -> bool:
         return True
 
+    def exact_trim(self) -> int | None:
+        R = self.pool.storage.residual
+        return least_trim(
+            exact_trim(t, tail, R) for t, tail in zip(self.tables, self.tails, strict=True)
+        )
+
     def trim(self, n: int) -> int:
         if n > 0 and self._limits is None and min(self.counts, default=0) >= n:
             # within every row's tail (a rejected draft): the slots are left for
@@ -532,6 +546,9 @@ class KVQPagedSplitSequence(KVQPagedSequence):
     def trim(self, n: int) -> int:
         self.tail, n = trim(self.pool, self.table, self.tail, n)
         return n
+
+    def exact_trim(self) -> int | None:
+        return exact_trim(self.table, self.tail, self.pool.storage.residual)
 
     def write(self, keys: mx.array, values: mx.array) -> None:
         """Append exact tokens `keys`/`values` (1, H, n, D) after the held ones
