@@ -25,11 +25,13 @@ from kvq_testing.events import Collector
 from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
 
+from mlx_kvq.bench.serving_bench import BenchTokenizer
 from mlx_kvq.caches import cache_report
 from mlx_kvq.config import AUTO_BLOCK_SIZE, KVConfig
 from mlx_kvq.defaults import DEFAULT_KV_CONFIG
 from mlx_kvq.engine import (
     BudgetShare,
+    Checkpoint,
     Engine,
     EngineOptions,
     ErrorEvent,
@@ -39,6 +41,7 @@ from mlx_kvq.engine import (
     Ledger,
     LocalCoordinator,
     SamplingParams,
+    Segment,
     Shape,
     TokenEvent,
 )
@@ -629,3 +632,49 @@ def test_a_long_row_joining_short_ones_was_priced_at_its_admission(loaded, monke
     ledger = engine.budget
     assert ledger.overruns == 0 and ledger.bound_misses == 0
     assert measured and all(r <= budget and live <= r for live, r, _ in measured)
+
+
+def _held(plan, tokens: int, own: int | None = None) -> int:
+    """Bytes a sequence of `tokens` tokens really holds: every full-attention
+    layer its tokens (or `own` of them, the rest mapped from another), every
+    window its size."""
+    return sum(
+        int(p.bytes_per_token() * ((tokens if own is None else own) if p.window is None
+                                   else min(tokens, p.window)))
+        for p in plan.kv_layers
+    )  # fmt: skip
+
+
+def test_sessions_sharing_a_system_prompt_sent_together_stay_within_the_budget(loaded, monkeypatch):
+    """Issue 51: sixteen sessions with one long system prompt (a checkpoint at
+    its end) sent at once to a hybrid model, under 1.5x what one whole session
+    and the others' own tokens hold. No admission counts on a prefix the
+    sequence does not map when it runs, and the oldest is never cut for memory
+    the others hold: no overrun, and every session gets its whole answer."""
+    model, _ = loaded
+    measured = spy_checks(monkeypatch)
+    plan = plan_kv(model, WINDOWS_8BIT, batch=True)
+    n, own, answer = 16, 12, 75
+    rng = random.Random(51)
+    system = [rng.randrange(1, 300) for _ in range(500)]
+    prompts = [system + [rng.randrange(1, 300) for _ in range(own)] for _ in range(n)]
+    total = len(prompts[0]) + answer
+    budget = int(1.5 * (_held(plan, total) + (n - 1) * _held(plan, total, own + answer)))
+    engine = _engine(model, BenchTokenizer(384), WINDOWS_8BIT, budget, block_size=32,
+                     prefill_step_size=128, decode_concurrency=n, prompt_cache_size=64)  # fmt: skip
+    checkpoints = (Checkpoint(len(system), Segment.SYSTEM),)
+    sinks = [Sink() for _ in prompts]
+    try:
+        for prompt, sink in zip(prompts, sinks, strict=True):
+            params = SamplingParams(max_tokens=answer, temperature=0.0)
+            engine.submit(GenerationRequest(prompt, params, checkpoints=checkpoints), sink)
+        assert all(s.done.wait(WAIT_S) for s in sinks)
+    finally:
+        engine.stop()
+    ledger = engine.budget
+    assert ledger.overruns == 0 and ledger.bound_misses == 0
+    assert 0 < ledger.peak_held <= budget
+    assert all(live <= reserved and live + pc <= budget for live, reserved, pc in measured)
+    assert [s.tokens for s in sinks] == [answer] * n  # no EOS: each its whole answer
+    assert all(s.end.reason is FinishReason.LENGTH for s in sinks)
+    assert engine.metrics.snapshot().prefix_blocks_reused > 0  # the system prompt was shared

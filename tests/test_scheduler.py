@@ -270,6 +270,34 @@ def test_states_admission_order_and_vllm_preemption(scripted):
     assert plan3.admitted[0] is seqs[2] and seqs[2].status is RequestStatus.PREFILLING
 
 
+def test_the_oldest_is_not_cut_for_memory_the_preempted_still_hold(scripted):
+    """Issue 51: what a sequence preempted in this plan holds is freed only once
+    it leaves the batch (a row in its prompt, after the next step). The oldest,
+    alone then and still unable to grow, fits the budget alone: it is not
+    exhausted but preempted too, and resumes first."""
+    _, _, plan = scripted
+    first, second = Shape(50, 50 + DECODE_RESERVE), Shape(50, 50 + DECODE_RESERVE)
+    cost = priced(plan, 1, 8, block_size=None).cost
+    budget = cost.bound([first, second], [second])
+    memory = KVMemory(Ledger([Share(budget, cost)]), PromptCache(0))
+    scheduler = Scheduler(Limits(decode_rows=8, prompt_rows=8), memory)
+    oldest, newest = sequence(50), sequence(50)
+    scheduler.add(oldest)
+    assert list(scheduler.schedule().admitted) == [oldest]
+    scheduler.prompt_done(oldest)
+    scheduler.add(newest)
+    assert list(scheduler.schedule().admitted) == [newest]  # still in its prompt
+    oldest.generated = [7] * DECODE_RESERVE  # outgrows its reserve
+    grown = Shape(50, 50 + 2 * DECODE_RESERVE + 1)
+    assert cost.bound([grown], []) <= budget  # it fits alone
+    plan1 = scheduler.schedule()
+    assert not plan1.exhausted and list(plan1.preempted) == [newest, oldest]
+    assert list(scheduler.waiting) == [oldest, newest]
+    memory.ledger.settle()  # the step ran: the rows have left
+    plan2 = scheduler.schedule()
+    assert not plan2.exhausted and plan2.admitted[0] is oldest
+
+
 def test_a_sequence_the_idle_engine_can_never_resume_is_exhausted(scripted):
     """Preempted long, it would resume through a prompt chunk that the budget
     cannot hold even alone: with nothing running to free memory, it ends

@@ -111,7 +111,9 @@ class PlanExecutor:
         for seq in plan.admitted:
             self.left_queue(seq.id)
             first = seq.preemptions == 0
-            if self._guarded(seq, self._insert) and first and seq.request.draft_tokens > 0:
+            if not self._guarded(seq, self._insert) or seq.uid is None:  # failed, or requeued
+                continue
+            if first and seq.request.draft_tokens > 0:
                 self.metrics.count_draft_request(speculative=False)
 
     def _guarded(self, seq: Sequence, action: Callable[[Sequence], Any]) -> bool:
@@ -141,23 +143,36 @@ class PlanExecutor:
         trimmed back."""
         return request.checkpoints if self._untrimmable else ()
 
-    def _prepare(self, seq: Sequence) -> tuple[list[int], list, int]:
+    def _prepare(self, seq: Sequence) -> tuple[list[int], list, int] | None:
         """The tokens `seq` starts (or resumes) from, its sampler, and the prompt
         cache's best cache for them (a fresh one when none matches) with how
-        many tokens it holds."""
+        many tokens it holds. None when that cache covers less than its
+        admission counted on and its full price no longer fits: it goes back
+        to the head of the queue, and is priced again when admitted."""
         tokens = seq.tokens
-        if seq.sampler is None:  # a resumed sequence keeps its sampler (and its key chain)
-            seq.sampler = self.samplers.get(seq.request.params)
         cache, cached = self.prompt_cache.fetch(tokens)
+        if not self.memory.starts_from(seq.need(admitting=True), cached):
+            self.scheduler.requeue(seq)
+            log.info(
+                "request %d waits again: the prompt cache covers %d of its %d tokens, "
+                "less than its admission counted on, and the rest does not fit now",
+                seq.id, cached, len(tokens),
+            )  # fmt: skip
+            return None
         if cache is None:
             cache, cached = self.plan.make_cache(), 0
+        if seq.sampler is None:  # a resumed sequence keeps its sampler (and its key chain)
+            seq.sampler = self.samplers.get(seq.request.params)
         if seq.preemptions == 0:
             seq.cached = cached
             self.metrics.record_cached_tokens(cached)
         return tokens, cache, cached
 
     def _insert(self, seq: Sequence) -> None:
-        tokens, cache, cached = self._prepare(seq)
+        prepared = self._prepare(seq)
+        if prepared is None:
+            return
+        tokens, cache, cached = prepared
         resumed = seq.preemptions > 0
         checkpoints = () if resumed else self._checkpoints(seq.request)
         pieces, cuts = split_prompt(tokens, cached, checkpoints)
@@ -186,7 +201,10 @@ class PlanExecutor:
     # ------------------------------------------------------------ the lane
     def _start_speculation(self, seq: Sequence) -> None:
         """Give the lane to `seq`, with the prompt cache's best cache for its prompt."""
-        prompt, cache, cached = self._prepare(seq)
+        prepared = self._prepare(seq)
+        if prepared is None:
+            return
+        prompt, cache, cached = prepared
         self.runner.lane.start(
             seq,
             prompt,

@@ -8,10 +8,13 @@ another reserve at a time, when every rank still fits the budget.
 
 The paged layout's slots are counted by their pools (`caches.Pages`), the
 one truth about blocks: an admitted request is promised the blocks its
-shape holds at most, claims the blocks already holding its prompt's prefix
-(they are held once, however many sequences map them: no price for them),
-and the budget asks the pools how many blocks are live and promised. Slots
-that cannot page are priced by the shapes.
+shape holds at most, claims the blocks of the prompt-cache entry it will
+start from (they are held once, however many sequences map them: no price
+for them; blocks it will not map are never counted on), and the budget asks
+the pools how many blocks are live and promised. When it starts from less
+than its admission counted on (the entry was evicted meanwhile), it is
+priced again from what it found, and does not run if that does not fit
+(`starts_from`). Slots that cannot page are priced by the shapes.
 
 The prompt cache holds what the sequences leave free and yields first: its
 byte cap is the room the sequences leave (`room`), counted as the bytes it
@@ -106,6 +109,7 @@ class KVMemory:
         self.reserve = max(1, reserve)
         self.serving = False  # live sequences exist to cap the prompt cache by (mlx-lm's rule)
         self.disk: DiskTier | None = None  # the prompt cache's disk tier (`build` sets it)
+        self.counted: dict[int, int] = {}  # cached prompt tokens an admission was priced with
         if pages is not None:
             prompt_cache.held_bytes = self._prompt_cache_holds
 
@@ -147,20 +151,45 @@ class KVMemory:
             return True
         shape, extra = self._shape(need, self._first_total(need))
         paged = self.pages is not None and not need.keep
+        cached = 0
         if paged:
-            copies = cached = 0
             if need.tokens and not self.group:
-                self.pages.claim(need.request_id, need.tokens)
                 found = self.prompt_cache.peek(list(need.tokens))
                 cached = 0 if found is None else found[1]
-                copies = int(cached % self.pages.block_size != 0)
-            self._promise(need.request_id, shape, True, copies, cached)
+            self._price_from(need, shape, cached)
         if not self.ledger.fits(shape, extra or 0):
             if paged:
                 self.pages.close(need.request_id)
             return False
         self.ledger.reserve(need.request_id, shape, extra or 0)
+        if cached:
+            self.counted[need.request_id] = cached
         return True
+
+    def _price_from(self, need: Need, shape: Shape, cached: int) -> None:
+        """Promise a sequence in its prompt the blocks `shape` holds, starting
+        from the prompt cache's entry for its first `cached` tokens: it claims
+        the blocks of that prefix (those it maps, none when `cached` is 0),
+        and a partly filled last one is copied before it is written."""
+        if cached:
+            self.pages.claim(need.request_id, need.tokens[: cached + 1])
+        else:
+            self.pages.unclaim(need.request_id)
+        copies = int(cached % self.pages.block_size != 0)
+        self._promise(need.request_id, shape, True, copies, cached)
+
+    def starts_from(self, need: Need, cached: int) -> bool:
+        """An admitted sequence starts from `cached` prompt tokens. Where its
+        admission counted on mapping more (the entry it was to map left the
+        prompt cache meanwhile, or a shorter one serves it), it is priced again
+        from `cached`: False when that no longer fits the budget (it must not
+        run; the caller releases it)."""
+        counted = self.counted.pop(need.request_id, 0)
+        shape = None if self.ledger is None else self.ledger.shapes.get(need.request_id)
+        if cached >= counted or shape is None or self.pages is None:
+            return True
+        self._price_from(need, shape, cached)
+        return all(self.ledger.reserved(r) <= s.budget for r, s in enumerate(self.ledger.shares))
 
     def grow(self, need: Need) -> bool:
         if self.ledger is None:
@@ -185,6 +214,7 @@ class KVMemory:
         return False
 
     def release(self, request_id: int, after_step: bool = False) -> None:
+        self.counted.pop(request_id, None)
         if self.ledger is not None:
             self.ledger.release(request_id, after_step)
         if self.pages is not None:

@@ -11,7 +11,9 @@ accounting (`memory.Memory`) alone:
   it holds grows; when that does not fit, the most recently admitted
   sequence is preempted (vLLM's rule), until it fits. The oldest sequence
   therefore always goes on, so none starves. A sequence that cannot grow
-  even alone is exhausted: it ends with `length`.
+  even alone is exhausted: it ends with `length`. One left alone by
+  preempting the others in this plan is not: what they hold is freed only
+  once they leave the batch, so it is preempted too, and resumes first.
 - Then admission, in order, nothing overtaking a request that waits
   (preempted sequences go back to the head of the queue): a request is
   admitted when a decode row is free, fewer than `prompt_rows` prompts are
@@ -22,7 +24,9 @@ accounting (`memory.Memory`) alone:
   sequence will store a copy in the prompt cache (at its prompt's cuts:
   the system prompt's end, all but its last token), waits for the copy
   (`waits_for_prefix`): it then maps the prefix's blocks instead of
-  computing and holding them a second time.
+  computing and holding them a second time. Where the copy is gone when it
+  starts, it is priced in full again first, and goes back to the head of
+  the queue if that does not fit (`requeue`).
 
 The speculative lane is one more place a sequence runs: a request that may
 speculate gets it when it would be the engine's only sequence; any other
@@ -228,7 +232,7 @@ class Scheduler:
                 continue
             while not self.memory.grow(seq.need(seq.on_lane)):
                 victim = next(reversed(self.running.values()))
-                if victim is seq and len(self.running) == 1:
+                if victim is seq and len(self.running) == 1 and not preempted:
                     self.finish(seq)
                     exhausted.append(seq)
                     break
@@ -246,6 +250,14 @@ class Scheduler:
         self.memory.release(seq.id, after_step=prompting)
         seq.status = RequestStatus.PREEMPTED
         seq.preemptions += 1
+
+    def requeue(self, seq: Sequence) -> None:
+        """An admitted sequence that has not started goes back to the head of the
+        queue, holding nothing (its admission counted on a prefix it cannot map)."""
+        del self.running[seq.id]
+        self.memory.release(seq.id)
+        seq.status = RequestStatus.PREEMPTED if seq.preemptions else RequestStatus.WAITING
+        self.waiting.appendleft(seq)
 
     def waits_for_prefix(self, seq: Sequence) -> Sequence | None:
         """The sequence still prefilling whose prompt starts as `seq`'s does and
