@@ -81,6 +81,27 @@ def _prompt_chunk(positions: int) -> bool:
 _KEY_BLOCK = 4096
 
 
+# A weighted product sums this many keys at a time, from the first, in order:
+# OpenBLAS cuts a product's inner dimension past 384 where the product's size
+# says (at half of it up to 768), so one product over more keys than a query
+# sees rounds that query's sum otherwise (a 482-token prompt's answer changed
+# with the prompts beside it). Blocks under the cut make a query's sum the
+# same whatever keys after it the product holds (they add exact zeros).
+_SUM_BLOCK = 256
+
+
+def _summed(p: mx.array, v: mx.array) -> mx.array:
+    """`p @ v` over the keys axis, `_SUM_BLOCK` keys at a time from the first."""
+    S = v.shape[-2]
+    if S <= _SUM_BLOCK:
+        return p @ v
+    out = None
+    for start in range(0, S, _SUM_BLOCK):
+        part = p[..., start : start + _SUM_BLOCK] @ v[..., start : start + _SUM_BLOCK, :]
+        out = part if out is None else out + part
+    return out
+
+
 def _key_block(rows: int, tokens: int, dim: int) -> int:
     return max(_KEY_BLOCK, rows * tokens // max(1, dim))
 
@@ -239,7 +260,7 @@ def _split_weighted(p: mx.array, v: SplitKV, dtype: mx.Dtype, dense: mx.Dtype | 
             o = _weighted(pp, part, dtype, dense)
             o = rotate(o) if part.rotated else o
         else:
-            o = pp @ part.astype(dtype)
+            o = _summed(pp, part.astype(dtype))
         out = o if out is None else out + o
         start += n
     return out
@@ -273,12 +294,16 @@ def _dense_scores(
 def _dense_weighted(
     p: mx.array, v: QuantizedKV, dtype: mx.Dtype, dense: mx.Dtype, block: int
 ) -> mx.array:
-    """p @ V with V dequantized one block at a time (partial products summed)."""
+    """p @ V with V dequantized one block at a time (a multiple of
+    `_SUM_BLOCK` tokens), its products summed `_SUM_BLOCK` keys at a time."""
     pd = p.astype(dense)
     out = None
+    block = -(-block // _SUM_BLOCK) * _SUM_BLOCK
     for start, vd in _dequantized_blocks(v, dense, block):
-        part = pd[..., start : start + vd.shape[-2]] @ vd
-        out = part if out is None else out + part
+        pv = pd[..., start : start + vd.shape[-2]]
+        for at in range(0, vd.shape[-2], _SUM_BLOCK):
+            part = pv[..., at : at + _SUM_BLOCK] @ vd[..., at : at + _SUM_BLOCK, :]
+            out = part if out is None else out + part
     return out.astype(dtype)
 
 
@@ -294,7 +319,7 @@ def _weighted(p: mx.array, v, dtype: mx.Dtype, dense: mx.Dtype | None = None) ->
             p, v.data, v.scales.astype(dtype), v.biases.astype(dtype),
             transpose=False, group_size=v.group_size, bits=v.bits,
         )  # fmt: skip
-    return p @ v.astype(dtype)
+    return _summed(p, v.astype(dtype))
 
 
 @dataclass(frozen=True)
