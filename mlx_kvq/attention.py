@@ -87,17 +87,25 @@ _KEY_BLOCK = 4096
 # sees rounds that query's sum otherwise (a 482-token prompt's answer changed
 # with the prompts beside it). Blocks under the cut make a query's sum the
 # same whatever keys after it the product holds (they add exact zeros).
-_SUM_BLOCK = 256
+# The blocks start at positions that are multiples of it (`phase`: the
+# position of the first key, modulo it), so they are the same whichever keys
+# a cache dropped before or a query block trimmed.
+_SUM_BLOCK = 128
 
 
-def _summed(p: mx.array, v: mx.array) -> mx.array:
-    """`p @ v` over the keys axis, `_SUM_BLOCK` keys at a time from the first."""
-    S = v.shape[-2]
-    if S <= _SUM_BLOCK:
-        return p @ v
+def _sum_ranges(n: int, phase: int = 0) -> list[tuple[int, int]]:
+    """The `[start, stop)` blocks of `n` keys whose first is at `phase`."""
+    first = (-phase) % _SUM_BLOCK or _SUM_BLOCK
+    cuts = [0, *range(first, n, _SUM_BLOCK), n]
+    return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+
+
+def _summed(p: mx.array, v: mx.array, phase: int = 0) -> mx.array:
+    """`p @ v` over the keys axis, a `_SUM_BLOCK` block at a time, in order."""
     out = None
-    for start in range(0, S, _SUM_BLOCK):
-        part = p[..., start : start + _SUM_BLOCK] @ v[..., start : start + _SUM_BLOCK, :]
+    for a, b in _sum_ranges(v.shape[-2], phase):
+        part = p if (a, b) == (0, v.shape[-2]) else p[..., a:b]
+        part = part @ (v if (a, b) == (0, v.shape[-2]) else v[..., a:b, :])
         out = part if out is None else out + part
     return out
 
@@ -292,34 +300,44 @@ def _dense_scores(
 
 
 def _dense_weighted(
-    p: mx.array, v: QuantizedKV, dtype: mx.Dtype, dense: mx.Dtype, block: int
+    p: mx.array, v: QuantizedKV, dtype: mx.Dtype, dense: mx.Dtype, block: int, phase: int = 0
 ) -> mx.array:
-    """p @ V with V dequantized one block at a time (a multiple of
-    `_SUM_BLOCK` tokens), its products summed `_SUM_BLOCK` keys at a time."""
+    """p @ V with V dequantized about `block` tokens at a time, its products
+    summed a `_SUM_BLOCK` block at a time (`_sum_ranges`)."""
     pd = p.astype(dense)
     out = None
-    block = -(-block // _SUM_BLOCK) * _SUM_BLOCK
-    for start, vd in _dequantized_blocks(v, dense, block):
-        pv = pd[..., start : start + vd.shape[-2]]
-        for at in range(0, vd.shape[-2], _SUM_BLOCK):
-            part = pv[..., at : at + _SUM_BLOCK] @ vd[..., at : at + _SUM_BLOCK, :]
+    ranges = _sum_ranges(v.shape[-2], phase)
+    per = max(1, block // _SUM_BLOCK)
+    for i in range(0, len(ranges), per):
+        group = ranges[i : i + per]
+        lo, hi = group[0][0], group[-1][1]
+        blk = v if (lo, hi) == (0, v.shape[-2]) else v.tokens(lo, hi)
+        vd = mx.dequantize(
+            blk.data, blk.scales.astype(dense), blk.biases.astype(dense),
+            group_size=v.group_size, bits=v.bits,
+        )  # fmt: skip
+        for a, b in group:
+            part = pd[..., a:b] @ vd[..., a - lo : b - lo, :]
             out = part if out is None else out + part
     return out.astype(dtype)
 
 
-def _weighted(p: mx.array, v, dtype: mx.Dtype, dense: mx.Dtype | None = None) -> mx.array:
+def _weighted(
+    p: mx.array, v, dtype: mx.Dtype, dense: mx.Dtype | None = None, phase: int = 0
+) -> mx.array:
     if isinstance(v, SplitKV):
         return _split_weighted(p, v, dtype, dense)
     if isinstance(v, QuantizedKV):
         if dense is not None:
-            return _dense_weighted(p, v, dtype, dense, _key_block(p.shape[-2], *v.shape[-2:]))
+            block = _key_block(p.shape[-2], *v.shape[-2:])
+            return _dense_weighted(p, v, dtype, dense, block, phase)
         if _native():
             return packed_weighted(p, v).astype(dtype)
         return mx.quantized_matmul(
             p, v.data, v.scales.astype(dtype), v.biases.astype(dtype),
             transpose=False, group_size=v.group_size, bits=v.bits,
         )  # fmt: skip
-    return _summed(p, v.astype(dtype))
+    return _summed(p, v.astype(dtype), phase)
 
 
 @dataclass(frozen=True)
@@ -339,11 +357,16 @@ class Causal:
         """The mask of the query rows from `start` on."""
         return replace(self, shift=tuple(s + start for s in self.shift))
 
-    def visible(self, rows: int, keys: int) -> tuple[int, int]:
-        """The key slots [lo, hi) that any of `rows` query rows sees (lo a
-        multiple of 8: the native softmax's lanes stay those of the whole row)."""
+    def visible(self, rows: int, keys: int, origin: int = 0) -> tuple[int, int]:
+        """The key slots [lo, hi) that any of `rows` query rows sees, slot 0
+        holding position `origin` (lo at a position that is a multiple of
+        `_SUM_BLOCK`: a query's sums and the native softmax's lanes stay those
+        of the whole row)."""
         hi = min(keys, max(self.shift) + rows)
-        lo = max(0, min(self.shift) - self.window + 1) // 8 * 8 if self.window else 0
+        if not self.window:
+            return 0, hi
+        seen = max(0, min(self.shift) - self.window + 1)
+        lo = max(0, (origin + seen) // _SUM_BLOCK * _SUM_BLOCK - origin)
         return min(lo, hi), hi
 
     def moved(self, lo: int) -> Causal:
@@ -378,7 +401,7 @@ def _grouped_mask(mask: mx.array, n_q: int, n_rep: int) -> mx.array:
     return mask.reshape(mask.shape[0], heads // n_rep, n_rep, *mask.shape[2:])
 
 
-def _attend_rows(q, k, v, mask, sinks, dtype, shape, dense=None):
+def _attend_rows(q, k, v, mask, sinks, dtype, shape, dense=None, phase=0):
     """Attention for query rows grouped by KV head.
 
     `q` is (B, n_kv, n_rep * L, D): the queries of every head sharing a KV
@@ -413,7 +436,7 @@ def _attend_rows(q, k, v, mask, sinks, dtype, shape, dense=None):
         p = mx.softmax(scores, axis=-1, precise=True)[..., 1:].reshape(B, n_kv, n_rep * L, S)
     else:
         p = mx.softmax(scores, axis=-1, precise=True)
-    return _weighted(p, v, dtype, dense).reshape(B, n_kv, n_rep, L, -1)
+    return _weighted(p, v, dtype, dense, phase).reshape(B, n_kv, n_rep, L, -1)
 
 
 def _pick(x, b: int, h: int):
@@ -426,13 +449,13 @@ def _pick(x, b: int, h: int):
     return x[bs, hs]
 
 
-def _attend(q, k, v, mask, sinks, dtype, shape, dense):
+def _attend(q, k, v, mask, sinks, dtype, shape, dense, phase=0):
     """`_attend_rows`, split per (sequence, KV head) on the CPU (see _SPLIT_LIMIT)."""
     B, n_kv, n_rep, L = shape
     few = 1 < B * n_kv <= _SPLIT_LIMIT
     native_rows = dense is None and _native()  # reads the views in place
     if not few or k.shape[2] < _SPLIT_MIN_TOKENS or not _on_cpu() or native_rows:
-        return _attend_rows(q, k, v, mask, sinks, dtype, shape, dense)
+        return _attend_rows(q, k, v, mask, sinks, dtype, shape, dense, phase)
     if sinks is not None:
         sinks = sinks.reshape(n_kv, n_rep)
     one = (1, 1, n_rep, L)
@@ -446,7 +469,7 @@ def _attend(q, k, v, mask, sinks, dtype, shape, dense):
             else:
                 mh = mask if mask is None or mask.ndim < 5 else _pick(mask, b, h)
             sh = None if sinks is None else sinks[h]
-            heads.append(_attend_rows(qh, kh, vh, mh, sh, dtype, one, dense))
+            heads.append(_attend_rows(qh, kh, vh, mh, sh, dtype, one, dense, phase))
         out.append(mx.concatenate(heads, axis=1))
     return out[0] if B == 1 else mx.concatenate(out, axis=0)
 
@@ -459,6 +482,7 @@ def quantized_attention(
     mask: mx.array | str | None = None,
     sinks: mx.array | None = None,
     positions: int | None = None,
+    origin: int = 0,
 ) -> mx.array:
     """Attention where keys and/or values are packed (`QuantizedKV`), or in
     the split layout (`SplitKV`: unquantized sinks and tail around a
@@ -470,7 +494,8 @@ def quantized_attention(
     blocks so the score matrix never spans the whole prefill at once.
     `positions` (default: this call's) are the query positions a sequence of
     the write these queries belong to, which choose the products once for
-    every block (`_prompt_chunk`).
+    every block (`_prompt_chunk`). `origin`: the position key slot 0 holds,
+    which aligns the weighted sums' blocks (`_SUM_BLOCK`) to positions.
     """
     out_dtype = queries.dtype
     dtype = compute_dtype(out_dtype)
@@ -495,10 +520,10 @@ def quantized_attention(
     for start in range(0, L, block):
         rows = min(block, L - start)
         qb = q if rows == L else q[..., start : start + rows, :]
-        kb, vb = keys, values
+        kb, vb, lo = keys, values, 0
         if isinstance(mask, Causal):
             mb = mask.block(start)
-            lo, hi = mb.visible(rows, S) if trim else (0, S)
+            lo, hi = mb.visible(rows, S, origin) if trim else (0, S)
             if (lo, hi) != (0, S):  # keys no row of the block sees are not read
                 kb, vb, mb = _tokens(keys, lo, hi), _tokens(values, lo, hi), mb.moved(lo)
             elif split and mb.window == 0:  # nor later ones in the split layout
@@ -510,7 +535,8 @@ def quantized_attention(
             mb = mask
         qb = qb.reshape(B, n_kv, n_rep * rows, D)
         shape = (B, n_kv, n_rep, rows)
-        blocks.append(_attend(qb, kb, vb, mb, sinks, dtype, shape, dense))
+        phase = 0 if split else (origin + lo) % _SUM_BLOCK
+        blocks.append(_attend(qb, kb, vb, mb, sinks, dtype, shape, dense, phase))
     out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=-2)
     out = out.reshape(B, n_q, L, -1)
     if isinstance(values, QuantizedKV) and values.rotated:
@@ -581,7 +607,7 @@ def paged_attention(
         m = None
         if L > 1 or (keys.window is not None and end - base > keys.window):
             m = Causal((end - base - L,), keys.window or 0)
-        out.append(quantized_attention(queries[b : b + 1], k, v, scale, m, sinks))
+        out.append(quantized_attention(queries[b : b + 1], k, v, scale, m, sinks, origin=base))
     return out[0] if B == 1 else mx.concatenate(out, axis=0)
 
 
@@ -623,22 +649,28 @@ def _paged_raw_grouped(
     """Raw paged K/V attended a group of rows at a time (one gather and one
     `mx.fast` call per group instead of per row): each group's blocks are
     gathered through its tables into a transient copy as wide as its longest
-    row, and the slots a row does not hold are masked out."""
+    row, and the slots a row does not hold are masked out. A row whose first
+    block (a window's) starts inside a `_SUM_BLOCK` gets masked slots before
+    it up to that block's start, so its sums keep their blocks."""
     B, _, L, _ = queries.shape
     bs = keys.block_size
     n = np.asarray(keys.ends) - np.asarray(keys.bases)
     blocks = [-(-int(x) // bs) for x in n]
+    aligned = _SUM_BLOCK % bs == 0
+    pad = [int(b) % _SUM_BLOCK // bs if aligned else 0 for b in keys.bases]
+    span = [p + m for p, m in zip(pad, blocks, strict=True)]
     outs, order = [], []
-    for rows in _row_groups(blocks):
-        width = blocks[rows[0]]
+    for rows in _row_groups(span):
+        width = span[rows[0]]
         slots = width * bs
-        table = keys.tables[rows, :width]
-        table = np.where(np.arange(width)[None] < np.asarray(blocks)[rows, None], table, 0)
-        ids = mx.array(table.astype(np.int32))
+        table = np.zeros((len(rows), width), dtype=np.int32)
+        for i, r in enumerate(rows):
+            table[i, pad[r] : span[r]] = keys.tables[r, : blocks[r]]
+        ids = mx.array(table)
         q = queries if rows == list(range(B)) else queries[mx.array(rows)]
         k = _gather_rows(keys.pool, ids).astype(q.dtype)
         v = _gather_rows(values.pool, ids).astype(q.dtype)
-        mask = Causal(tuple(int(x) - L for x in n[rows]), keys.window or 0)
+        mask = Causal(tuple(int(n[r]) - L + pad[r] * bs for r in rows), keys.window or 0)
         if _native():  # the native causal softmax (see `scaled_dot_product_attention`)
             outs.append(quantized_attention(q, k, v, scale, mask, sinks))
         else:
