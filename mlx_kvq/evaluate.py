@@ -41,8 +41,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from .caches import KVQPagedSequence, PagedCache, Pages, page_caches
-from .config import KVConfig
+from .caches import KVQPagedSequence, PagedCache, Pages, page_caches, paged_block_size
+from .config import AUTO_BLOCK_SIZE, KVConfig
 from .generate import get_plan
 
 DEFAULT_CONTEXT = 512
@@ -87,15 +87,21 @@ def _spans(n: int, chunk: int, decode: int) -> list[tuple[int, int]]:
     return spans + [(s, s + 1) for s in range(head, n)]
 
 
-def _make_cache(model: nn.Module, cfg: KVConfig, block_size: int | None = None) -> list:
+def _make_cache(model: nn.Module, cfg: KVConfig, block_size: int | str | None = None) -> list:
     """The caches of `cfg` for one window; with `block_size`, the layers that
     page in blocks of that many tokens, as the server holds them (a batch of
-    one row over pools of their own)."""
+    one row over pools of their own); `AUTO_BLOCK_SIZE`: the server's own
+    block size for this setting (`paged_block_size`)."""
     if not cfg.enabled:
         return mlx_cache.make_prompt_cache(model, max_kv_size=cfg.max_kv_size)
-    caches = get_plan(model, cfg).make_cache()
+    plan = get_plan(model, cfg)
+    caches = plan.make_cache()
     if not block_size:
         return caches
+    if block_size == AUTO_BLOCK_SIZE:
+        block_size = paged_block_size(
+            (p.kind, p.window, p.key_spec, p.value_spec) for p in plan.kv_layers
+        )
     return [_as_batch(c) for c in page_caches(caches, Pages(block_size))]
 
 
@@ -128,7 +134,7 @@ def _leaves(caches: list) -> list:
 
 
 def held_storage(
-    model: nn.Module, cfg: KVConfig, context: int, block_size: int | None = None
+    model: nn.Module, cfg: KVConfig, context: int, block_size: int | str | None = None
 ) -> dict:
     """Bytes the caches of `cfg` hold after `context` tokens, measured.
 
@@ -211,7 +217,7 @@ def evaluate_many(
     decode: int = 0,
     held_context: int | None = HELD_CONTEXT,
     only_windows: Sequence[int] | None = None,
-    block_size: int | None = None,
+    block_size: int | str | None = None,
 ) -> list[dict]:
     """Measure every setting in `kv_configs` against one unquantized run.
 
@@ -222,7 +228,8 @@ def evaluate_many(
     of the `windows` windows (by index: a cheap slice of a larger run, whose
     `per_window` values it reproduces). `block_size`: the settings' layers
     that page are held in blocks of that many tokens, as the server holds
-    them (`--kv-block-size`; None: each cache's own layout). Returns one
+    them (`--kv-block-size`; None: each cache's own layout; AUTO_BLOCK_SIZE:
+    the server's block size for each setting). Returns one
     result dict per setting (see `evaluate`).
     """
     if isinstance(tokens, mx.array):

@@ -12,7 +12,7 @@ from mlx_lm.models import gemma3_text
 from mlx_kvq import evaluate as ev
 from mlx_kvq.attention import quantized_attention
 from mlx_kvq.commands import main
-from mlx_kvq.config import KVConfig, QuantSpec
+from mlx_kvq.config import AUTO_BLOCK_SIZE, KVConfig, QuantSpec
 from mlx_kvq.quant import Store, rotate
 
 CONTEXT, CHUNK, WINDOWS = 48, 16, 2
@@ -204,10 +204,10 @@ def test_cli_scores_several_settings_against_one_reference(tiny, monkeypatch, ca
     kl = [s["texts"][0]["kl_mean"] for s in data["settings"]]
     assert kl[0] < kl[2] and kl[0] < kl[1]
     assert all(s["seconds"] > 0 for s in data["settings"]) and data["reference_seconds"] > 0
-    # The same setting alone measures the same figures.
-    alone = ev.evaluate(
-        model, tokens, KVConfig(bits=8, group_size=32), context=CONTEXT, chunk=CHUNK,
-        windows=2, progress=False,
+    # The same setting alone measures the same figures (in the server's layout).
+    (alone,) = ev.evaluate_many(
+        model, tokens, [KVConfig(bits=8, group_size=32)], context=CONTEXT, chunk=CHUNK,
+        windows=2, progress=False, block_size=AUTO_BLOCK_SIZE,
     )  # fmt: skip
     assert alone["kl_mean"] == pytest.approx(kl[0], rel=1e-5)
     with pytest.raises(SystemExit) as e:
@@ -259,6 +259,11 @@ def test_cli_defaults_to_the_default_setting_and_zero_turns_it_off(tiny, monkeyp
     assert main(["eval", *common]) == 0
     (data,) = json.loads(capsys.readouterr().out)["settings"]
     assert data["setting"] == DEFAULT_KV_CONFIG.describe()
+    # the layout the server holds (its block size): eval scores what it serves
+    assert data["paged_layers"] > 0
+    assert main(["eval", "--kv-block-size", "0", *common]) == 0
+    (own,) = json.loads(capsys.readouterr().out)["settings"]
+    assert own["paged_layers"] == 0
     assert main(["eval", "--kv-bits", "0", *common]) == 0
     (data,) = json.loads(capsys.readouterr().out)["settings"]
     t = data["texts"][0]

@@ -11,6 +11,7 @@ import argparse
 import json
 import time
 
+from ..config import AUTO_BLOCK_SIZE
 from .flags import add_eval_flags, setting_namespaces
 from .startup import kv_setting, model_source
 
@@ -32,8 +33,9 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     spaces = setting_namespaces(args.setting, args)
-    if args.kv_block_size < 0:
+    if args.kv_block_size is not None and args.kv_block_size < 0:
         raise ValueError("--kv-block-size must be >= 0 (0: each cache's own layout)")
+    block_size = AUTO_BLOCK_SIZE if args.kv_block_size is None else args.kv_block_size or None
     model, _, texts = load_eval_inputs(args.model, args.text, args.dtype)
     source = model_source(args)
     cfgs = [kv_setting(ns, source, model) for ns in spaces]
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         rs = evaluate_many(
             model, ids, cfgs, context=args.context, chunk=args.chunk, windows=args.windows,
             bos=bos, progress=False if args.no_progress else None, decode=args.decode,
-            held_context=args.held_context, block_size=args.kv_block_size or None,
+            held_context=args.held_context, block_size=block_size,
         )  # fmt: skip
         per_text.append([{"text": name, **r} for r in rs])
     shared = (
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for s, rows in zip(settings, zip(*per_text, strict=True), strict=True):
         held = s.get("held_context", r0["context"])
-        paged = f"; {s['paged_layers']} KV layers paged" if args.kv_block_size else ""
+        paged = f"; {s['paged_layers']} KV layers paged" if s.get("paged_layers") else ""
         print(
             f"\nKV {s['setting']}: {s['bits_per_element']:.2f} bits per element held at "
             f"{held} tokens{paged}; {s['seconds']:.1f} s"

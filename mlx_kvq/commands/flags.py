@@ -714,9 +714,10 @@ def add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-block-size",
         type=int,
-        default=0,
-        help="score the paged layout the server uses: the layers that page held in blocks "
-        "of this many tokens (0, the default: each cache's own padded layout)",
+        default=None,
+        help="tokens per block of the paged layout scored (default: the server's for each "
+        "setting, so that eval scores the logits the server computes; 0: each cache's own "
+        "padded layout)",
     )
     add_json_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
