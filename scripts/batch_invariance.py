@@ -4,8 +4,8 @@
       --setting '' --setting '--kv-bits 0'
 
 Each setting's engine (in-process, the fast BLAS as the commands use it)
-answers `--prompts` chat prompts cut from `--text` (windows of 100-300
-words) one at a time on a fresh engine; then all at once on a fresh
+answers `--prompts` chat prompts (plain text for a base model) cut from
+`--text` (windows of 100-300 words) one at a time on a fresh engine; then all at once on a fresh
 engine, in order and reversed; then each again alone on that last engine,
 whose prompt cache now holds every prompt. For each prompt and run it
 prints whether the tokens equal the first run's, the first token where they
@@ -87,14 +87,20 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load(args.model)
     prepare(model)
     words = Path(args.text).read_text().split()
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Explain: " + " ".join(words[s : s + n])}],
-            add_generation_prompt=True,
-        )
+    texts = [
+        "Explain: " + " ".join(words[s : s + n])
         for i in range(args.prompts)
         for s, n in [((i * 997) % max(1, len(words) - 300), (100, 200, 300)[i % 3])]
     ]
+    if tokenizer.chat_template:
+        prompts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True
+            )
+            for t in texts
+        ]
+    else:  # a base model: the text itself
+        prompts = [tokenizer.encode(t) for t in texts]
     print(f"prompts of {[len(x) for x in prompts]} tokens, {args.max_tokens} generated")
     params = SamplingParams(
         max_tokens=args.max_tokens, logprobs=True, temperature=args.temperature, seed=args.seed
