@@ -81,15 +81,15 @@ def _prompt_chunk(positions: int) -> bool:
 _KEY_BLOCK = 4096
 
 
-# A weighted product sums this many keys at a time, from the first, in order:
-# OpenBLAS cuts a product's inner dimension past 384 where the product's size
-# says (at half of it up to 768), so one product over more keys than a query
-# sees rounds that query's sum otherwise (a 482-token prompt's answer changed
-# with the prompts beside it). Blocks under the cut make a query's sum the
-# same whatever keys after it the product holds (they add exact zeros).
-# The blocks start at positions that are multiples of it (`phase`: the
-# position of the first key, modulo it), so they are the same whichever keys
-# a cache dropped before or a query block trimmed.
+# A weighted product sums this many keys at a time, in order: OpenBLAS cuts a
+# product's inner dimension past 384 where the product's size says (at half
+# of it up to 768), so one product over more keys than a query sees rounds
+# that query's sum otherwise (a 482-token prompt's answer changed with the
+# prompts beside it). Blocks under the cut make a query's sum the same
+# whatever keys after it the product holds (they add exact zeros). The blocks
+# start at positions that are multiples of it (`phase`: the position of the
+# first key, modulo it), so they are the same whichever keys a cache dropped
+# before or a query block trimmed.
 _SUM_BLOCK = 128
 
 
