@@ -678,3 +678,59 @@ def test_sessions_sharing_a_system_prompt_sent_together_stay_within_the_budget(l
     assert [s.tokens for s in sinks] == [answer] * n  # no EOS: each its whole answer
     assert all(s.end.reason is FinishReason.LENGTH for s in sinks)
     assert engine.metrics.snapshot().prefix_blocks_reused > 0  # the system prompt was shared
+
+
+@pytest.mark.parametrize(
+    ("name", "block_size", "prefill_step"),
+    [("default", AUTO_BLOCK_SIZE, 256), ("K4/V3, windows 8-bit", 32, 128)],
+)
+def test_sessions_sent_together_compute_their_system_prompt_once(
+    loaded, name, block_size, prefill_step, monkeypatch
+):
+    """Issue 51: sixteen sessions sharing a 1,000-token system prompt (its end
+    on no block boundary) sent at once, under 1.5x what one whole session
+    holds plus what the other fifteen hold of their own, as the budget prices
+    them. The first computes the prefix; the others wait for its copy and map
+    it (full-attention blocks and the windows' state at its end), however
+    tight the room the prompt cache gets: the prompt tokens computed are at
+    most 1.2x the prefix and every session's own tokens, many decode at
+    once, and nothing exceeds the budget."""
+    from mlx_kvq.engine.runner import choose_layout
+
+    model, _ = loaded
+    measured = spy_checks(monkeypatch)
+    kv = {**SETTINGS, **SPLIT_SETTINGS}[name]
+    plan = plan_kv(model, kv, batch=True)
+    layout = choose_layout(plan, block_size)
+    n, own, answer = 16, 12, 75
+    rng = random.Random(51)
+    system = [rng.randrange(1, 300) for _ in range(1000)]
+    prompts = [system + [rng.randrange(1, 300) for _ in range(own)] for _ in range(n)]
+    total = len(prompts[0]) + answer
+    cost = share_for(plan, 1, prefill_step=prefill_step, prompt_rows=8, paged=layout.paged,
+                     block_size=layout.block_size).cost  # fmt: skip
+    one = cost.bound([Shape(total, total)], prompting=[])
+    per_block = sum(cost.block_bytes(s.key) for s in cost.slots if s.paged and s.window is None)
+    shared = len(system) // layout.block_size * per_block  # the prefix's whole blocks
+    budget = int(1.5 * one + (n - 1) * (one - shared))
+    engine = _engine(model, BenchTokenizer(384), kv, budget, block_size=block_size,
+                     prefill_step_size=prefill_step, decode_concurrency=n)  # fmt: skip
+    engine.metrics.max_batch_size = 0
+    before = engine.metrics.snapshot().prompt_tokens  # the warm-up's
+    checkpoints = (Checkpoint(len(system), Segment.SYSTEM),)
+    sinks = [Sink() for _ in prompts]
+    try:
+        for prompt, sink in zip(prompts, sinks, strict=True):
+            params = SamplingParams(max_tokens=answer, temperature=0.0)
+            engine.submit(GenerationRequest(prompt, params, checkpoints=checkpoints), sink)
+        assert all(s.done.wait(WAIT_S) for s in sinks)
+    finally:
+        engine.stop()
+    ledger, figures = engine.budget, engine.metrics.snapshot()
+    assert ledger.overruns == 0 and ledger.bound_misses == 0
+    assert 0 < ledger.peak_held <= budget
+    assert all(live <= reserved and live + pc <= budget for live, reserved, pc in measured)
+    assert [s.tokens for s in sinks] == [answer] * n  # no EOS: each its whole answer
+    computed = figures.prompt_tokens - before
+    assert computed <= 1.2 * len(system) + n * own, computed
+    assert figures.max_batch_size >= 14

@@ -10,6 +10,7 @@ from kvq_testing.helpers import tiny_model
 from mlx_kvq.config import KVConfig, UnsupportedKVConfig
 from mlx_kvq.defaults import DEFAULT_FULL_KV_CONFIG
 from mlx_kvq.engine.prompt_cache import PromptCache
+from mlx_kvq.engine.requests import Segment
 from mlx_kvq.engine.stops import StopMatcher
 from mlx_kvq.engine.warmup import (
     FILLER_IDS,
@@ -125,6 +126,47 @@ def test_disabled_cache_stores_nothing():
     pc = PromptCache(max_entries=0)
     assert not pc.insert([1, 2], entry([1, 2]))
     assert len(pc) == 0
+
+
+def test_an_entry_is_kept_until_the_request_counting_on_it_copied_it():
+    """Issue 51: an admitted request's entry outlives every trim until it has
+    its copy, and what it holds is counted as kept meanwhile."""
+    pc = PromptCache(max_entries=4)
+    pc.insert([1, 2, 3], entry([1, 2, 3], trimmable=False), segment=Segment.CONTEXT)
+    pc.pin((1, 2, 3), 7)
+    pc.trim_to(0)
+    assert len(pc) == 1 and pc.kept_nbytes() == pc.nbytes == 60
+    assert not pc.insert([5], entry([5], trimmable=False), budget=70)  # no room beside it
+    pc.copied(7, mapped=3)  # not a system prompt: nothing keeps it any more
+    assert pc.kept_nbytes() == 0
+    pc.trim_to(0)
+    assert len(pc) == 0
+
+
+def test_a_system_prompt_is_kept_while_two_sequences_that_mapped_it_run():
+    """The prefix live sessions share stays for a preempted one to resume
+    from, while at least two of them run."""
+    pc = PromptCache(max_entries=4)
+    system = [1, 2, 3]
+    pc.insert(system, entry(system, trimmable=False), segment=Segment.SYSTEM)
+    for owner in (1, 2):
+        pc.pin(tuple(system), owner)
+        pc.copied(owner, mapped=len(system))
+    pc.trim_to(0)
+    assert len(pc) == 1 and pc.kept_nbytes() == 60
+    pc.unpin(1)  # one of them ended
+    pc.trim_to(0)
+    assert len(pc) == 0
+
+
+def test_an_insertion_is_refused_rather_than_evict_what_the_order_keeps_longer():
+    """mlx-lm's order applies to the entry being inserted too: a request's
+    prompt copy does not evict the only system prompt for room."""
+    pc = PromptCache(max_entries=4, max_bytes=150)
+    pc.insert([1, 2, 3, 4, 5], entry([1, 2, 3, 4, 5], trimmable=False), segment=Segment.SYSTEM)
+    prompt = [1, 2, 3, 4, 5, 6]
+    assert not pc.insert(prompt, entry(prompt, trimmable=False), segment=Segment.CONTEXT)
+    assert pc.fetch([1, 2, 3, 4, 5, 9])[1] == 5 and pc.stats().rejected == 1
 
 
 @settings(max_examples=200, deadline=None)

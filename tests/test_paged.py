@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from mlx_lm.models import cache as C
 
 from mlx_kvq import attention
-from mlx_kvq.caches import keep_in_prompt_cache
+from mlx_kvq.caches import blocks_kept, keep_in_prompt_cache
 from mlx_kvq.caches.base import DEQUANTIZED
 from mlx_kvq.caches.paged import (
     BlockPool,
@@ -650,6 +650,40 @@ def test_full_blocks_are_found_by_the_tokens_they_hold():
     assert pages.match(tokens + [7])[(0, None)] == entries[0].table.ids[:2]
     del entries
     assert pages.match(tokens + [7]) == {(0, None): [], (1, None): []}
+
+
+def test_a_request_claims_the_blocks_of_its_entry_and_leaving_rows_free_theirs():
+    """Issue 51: a request starting from a prompt-cache entry claims that
+    entry's own blocks, cut where it starts (the window's partly filled last
+    block too, which hashes cannot find: a cut on no block boundary). The
+    rows of a preempted request leave the batch before the next step: the
+    blocks only they refer to (besides the prompt cache) count as free at
+    once, those another request maps do not."""
+    pages = Pages(4)
+    data = Data(8)
+    tokens = list(range(100, 114))  # 3 full blocks and 2 tokens
+    full, fb = _pages_batch(pages, (0, None), rows=1, account=1)
+    win, wb = _pages_batch(pages, (1, None), rows=1, window=6, account=1)
+    fb.update_and_fetch(*data.kv(1, 14))
+    wb.update_and_fetch(*data.kv(1, 14))
+    entries = [fb.extract(0), wb.extract(0)]
+    keep_in_prompt_cache(entries, tokens)
+    full_ids, window_ids = entries[0].table.ids, entries[1].table.ids
+    assert len(window_ids) == 2 and pages.match(tokens + [7])[(1, None)] == window_ids[:1]
+    kept = blocks_kept(entries, pages, 14)
+    assert kept == {(0, None): full_ids, (1, None): window_ids}
+    assert blocks_kept(entries, pages, 9)[(0, None)] == full_ids[:3]  # a copy cut back
+    assert pages.claim_blocks(3, kept) == {(0, None): 4, (1, None): 2}
+    pages.unclaim(3)
+    assert pages.use()[(0, None)].live == 4  # the row's, the entry's too
+    pages.leave(1)
+    assert pages.use()[(0, None)].live == 0  # the row goes; the entry's yield
+    fetched = copy.deepcopy(entries[0])
+    fetched.table.hold_for(2)  # another request maps them
+    assert pages.use()[(0, None)].live == 4
+    del fetched
+    pages.promise(1, {})  # admitted again: its rows are back
+    assert pages.use()[(0, None)].live == 4
 
 
 def test_promises_and_the_storage_limit():

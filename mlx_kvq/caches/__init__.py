@@ -21,6 +21,8 @@ from .paged import (
 )
 from .paged.blocks import CACHE, blocks_held
 from .paged.convert import (
+    apart_bytes,
+    blocks_kept,
     cached_only_bytes,
     keep_in_prompt_cache,
     mapped_blocks,
@@ -65,6 +67,8 @@ __all__ = [
     "blocks_held",
     "exact_tokens_held",
     "tail_slots",
+    "apart_bytes",
+    "blocks_kept",
     "cached_only_bytes",
     "keep_in_prompt_cache",
     "mapped_blocks",

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -462,6 +462,8 @@ class Ledger:
     overruns: int = 0  # steps whose measured bytes exceeded the budget (never, if the bound holds)
     bound_misses: int = 0  # steps whose live bytes exceeded the bound (a bug in the cost model)
     last_live: int = 0  # live bytes measured after the last step
+    # bytes the prompt cache keeps for the sequences and cannot yield (None: none)
+    kept: Callable[[], int] | None = None
 
     @property
     def share(self) -> Share:
@@ -495,6 +497,7 @@ class Ledger:
         else:
             held = cost.padded_bound(rows, prompting) + self.paged(share)
             held += cost.beside_pools(rows)
+        held += 0 if self.kept is None else self.kept()
         return held + sum(self.extras.values()) + extra
 
     def paged(self, share: Share | None = None) -> int:
@@ -527,7 +530,7 @@ class Ledger:
     def fits(self, shape: Shape, extra_bytes: int = 0) -> bool:
         """Whether admitting `shape` (in its prompt, with `extra_bytes` more) now
         keeps every rank within its budget, the prompt cache yielding all it
-        holds if need be."""
+        holds if need be (but what it keeps for the sequences, `kept`)."""
         return all(self._bound(s, new=shape, extra=extra_bytes) <= s.budget for s in self.shares)
 
     def verdict(self, shape: Shape) -> Verdict:

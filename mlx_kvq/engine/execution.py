@@ -35,6 +35,7 @@ from typing import Any
 
 from mlx_lm.generate import StopSequences
 
+from mlx_kvq.caches import keep_in_prompt_cache
 from mlx_kvq.plan import KVPlan
 
 from .memory import KVMemory
@@ -91,8 +92,15 @@ class PlanExecutor:
         self.memory.measure()
 
     def _carry_out(self, plan: StepPlan) -> None:
-        for seq in plan.preempted:
-            self.output.preempted(seq)
+        # every preempted row leaves the batch, its blocks the prompt cache's
+        # (which yields them), before any cache is stored: the plan counted
+        # what they alone hold as free
+        taken = [(seq, self.runner.take_out(seq)) for seq in plan.preempted]
+        for _, out in taken:
+            if out.cache is not None:
+                keep_in_prompt_cache(out.cache, out.tokens)
+        for seq, out in taken:
+            self.output.preempted(seq, out)
         for seq in plan.exhausted:
             self.output.exhausted(seq)
         if plan.to_batch is not None:
@@ -151,7 +159,7 @@ class PlanExecutor:
         to the head of the queue, and is priced again when admitted."""
         tokens = seq.tokens
         cache, cached = self.prompt_cache.fetch(tokens)
-        if not self.memory.starts_from(seq.need(admitting=True), cached):
+        if not self.memory.starts_from(seq.need(seq.on_lane, admitting=True), cached, cache):
             self.scheduler.requeue(seq)
             log.info(
                 "request %d waits again: the prompt cache covers %d of its %d tokens, "

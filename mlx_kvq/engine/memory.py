@@ -9,18 +9,24 @@ another reserve at a time, when every rank still fits the budget.
 The paged layout's slots are counted by their pools (`caches.Pages`), the
 one truth about blocks: an admitted request is promised the blocks its
 shape holds at most, claims the blocks of the prompt-cache entry it will
-start from (they are held once, however many sequences map them: no price
-for them; blocks it will not map are never counted on), and the budget asks
-the pools how many blocks are live and promised. When it starts from less
-than its admission counted on (the entry was evicted meanwhile), it is
-priced again from what it found, and does not run if that does not fit
-(`starts_from`). Slots that cannot page are priced by the shapes.
+start from (that entry's own tables, never blocks found by hash: they are
+held once, however many sequences map them, so no price for them), and the
+budget asks the pools how many blocks are live and promised. The entry is
+kept until the sequence has copied it (a system prompt, while sequences
+that started from it run), and what it holds apart from them is counted
+with them (`Ledger.kept`). When a sequence starts from less than its
+admission counted on, it is priced again from what it found, and does not
+run if that does not fit (`starts_from`). Slots that cannot page are
+priced by the shapes.
 
 The prompt cache holds what the sequences leave free and yields first: its
-byte cap is the room the sequences leave (`room`), counted as the bytes it
-alone holds (its own caches, and the blocks no live sequence refers to), and
-in a group every rank evicts alike, charging entries by their bound. The
-pools' storage may grow to what the budget leaves them (`Pages.limit`).
+byte cap is the room the sequences leave (`room`, and what it keeps for
+them), counted as the bytes it alone holds (its own caches, and the blocks
+no live sequence refers to), and in a group every rank evicts alike,
+charging entries by their bound. A decoding row that is preempted or ends
+leaves the batch before the next step: the blocks only it refers to count
+as free at once (`Pages.leave`). The pools' storage may grow to what the
+budget leaves them (`Pages.limit`).
 After every step the bytes the caches really hold are measured against the
 budget and the bound (`Ledger.check`).
 
@@ -34,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mlx_kvq.caches import Pages, keep_in_prompt_cache
+from mlx_kvq.caches import Pages, blocks_kept, keep_in_prompt_cache
 
 from .budget import CostModel, Ledger, Shape, Verdict
 from .disk import DiskTier
@@ -112,6 +118,8 @@ class KVMemory:
         self.counted: dict[int, int] = {}  # cached prompt tokens an admission was priced with
         if pages is not None:
             prompt_cache.held_bytes = self._prompt_cache_holds
+        if ledger is not None:
+            ledger.kept = prompt_cache.kept_nbytes  # entries kept for the sequences
 
     # ------------------------------------------------------------ sequences
     def _shape(self, need: Need, total: int) -> tuple[Shape, int | None]:
@@ -149,46 +157,63 @@ class KVMemory:
             self.disk.restore(need.request_id, need.tokens)  # a longer prefix from disk, if any
         if self.ledger is None:
             return True
+        found = None
+        if need.tokens and not self.group:
+            found = self.prompt_cache.peek(list(need.tokens))
+        if found is not None and self._admit(need, found):
+            return True
+        return self._admit(need, None)
+
+    def _admit(self, need: Need, found: tuple | None) -> bool:
+        """Admit `need` starting from the prompt-cache entry `found` (key,
+        tokens covered, caches; None: from nothing) if that fits: the entry is
+        kept until the sequence has copied it, and what it holds apart from
+        the sequences is counted with them (`Ledger.kept`)."""
         shape, extra = self._shape(need, self._first_total(need))
         paged = self.pages is not None and not need.keep
-        cached = 0
+        cached = 0 if found is None else found[1]
         if paged:
-            if need.tokens and not self.group:
-                found = self.prompt_cache.peek(list(need.tokens))
-                cached = 0 if found is None else found[1]
-            self._price_from(need, shape, cached)
+            self._price_from(need, shape, cached, None if found is None else found[2])
+        if found is not None:
+            self.prompt_cache.pin(found[0], need.request_id)
         if not self.ledger.fits(shape, extra or 0):
             if paged:
                 self.pages.close(need.request_id)
+            self.prompt_cache.unpin(need.request_id)
             return False
         self.ledger.reserve(need.request_id, shape, extra or 0)
-        if cached:
+        if paged and cached:
             self.counted[need.request_id] = cached
         return True
 
-    def _price_from(self, need: Need, shape: Shape, cached: int) -> None:
+    def _price_from(self, need: Need, shape: Shape, cached: int, caches: list | None) -> None:
         """Promise a sequence in its prompt the blocks `shape` holds, starting
-        from the prompt cache's entry for its first `cached` tokens: it claims
-        the blocks of that prefix (those it maps, none when `cached` is 0),
-        and a partly filled last one is copied before it is written."""
-        if cached:
-            self.pages.claim(need.request_id, need.tokens[: cached + 1])
+        from `caches` (a prompt-cache entry, or the copy it fetched) for its
+        first `cached` tokens: it claims the blocks of that entry a copy cut
+        there keeps (those it maps: the entry's own tables, whole or not,
+        never blocks found by hash), and a partly filled last one is copied
+        before it is written."""
+        if cached and caches is not None:
+            self.pages.claim_blocks(need.request_id, blocks_kept(caches, self.pages, cached))
         else:
             self.pages.unclaim(need.request_id)
         copies = int(cached % self.pages.block_size != 0)
         self._promise(need.request_id, shape, True, copies, cached)
 
-    def starts_from(self, need: Need, cached: int) -> bool:
-        """An admitted sequence starts from `cached` prompt tokens. Where its
-        admission counted on mapping more (the entry it was to map left the
-        prompt cache meanwhile, or a shorter one serves it), it is priced again
-        from `cached`: False when that no longer fits the budget (it must not
-        run; the caller releases it)."""
+    def starts_from(self, need: Need, cached: int, cache: list | None = None) -> bool:
+        """An admitted sequence starts from `cache` (its copy from the prompt
+        cache), `cached` prompt tokens: the entry it pinned is kept for it no
+        longer (a system prompt it maps in the batch, while others do too).
+        Where its admission counted on mapping more (a shorter entry serves
+        it now), it is priced again from `cached`: False when that no longer
+        fits the budget (it must not run; the caller releases it)."""
+        maps = self.pages is not None and not need.keep and not self.group
+        self.prompt_cache.copied(need.request_id, cached if maps else 0)
         counted = self.counted.pop(need.request_id, 0)
         shape = None if self.ledger is None else self.ledger.shapes.get(need.request_id)
         if cached >= counted or shape is None or self.pages is None:
             return True
-        self._price_from(need, shape, cached)
+        self._price_from(need, shape, cached, cache)
         return all(self.ledger.reserved(r) <= s.budget for r, s in enumerate(self.ledger.shares))
 
     def grow(self, need: Need) -> bool:
@@ -215,10 +240,13 @@ class KVMemory:
 
     def release(self, request_id: int, after_step: bool = False) -> None:
         self.counted.pop(request_id, None)
+        self.prompt_cache.unpin(request_id)
         if self.ledger is not None:
             self.ledger.release(request_id, after_step)
         if self.pages is not None:
             self.pages.close(request_id)
+            if not after_step:  # its rows leave before the next step: what they alone hold is free
+                self.pages.leave(request_id)
 
     def inserted(self, request_id: int) -> None:
         """Its tables hold its prefix now: what it claimed goes back."""
@@ -278,7 +306,8 @@ class KVMemory:
         if self.prompt_cache_bytes is not None and self.serving:
             caps.append(self.prompt_cache_bytes - self.live_bytes())
         if self.ledger is not None and not self.group:
-            caps.append(self.ledger.room())
+            # the room left beside the sequences and what it keeps for them
+            caps.append(self.ledger.room() + self.prompt_cache.kept_nbytes())
         return min(caps) if caps else None
 
     def store_prompt(
@@ -322,13 +351,16 @@ class KVMemory:
                 for s, e, room in zip(shares, extra, rooms, strict=True)
             ):
                 break
-            self.prompt_cache.evict_oldest()
+            if not self.prompt_cache.evict_oldest():  # what is left is kept for sequences
+                break
         return True
 
     # ------------------------------------------------------------ measuring
     def settle(self) -> None:
         """After a step: free the shares of rows the step took out, let the
         prompt cache yield to what is left, and measure."""
+        if self.pages is not None:
+            self.pages.settle()
         if self.ledger is None:
             return
         self.ledger.settle()

@@ -32,7 +32,7 @@ from .requests import (
     TokenEvent,
     Usage,
 )
-from .runner import BatchRunner, BatchStep
+from .runner import BatchRunner, BatchStep, Taken
 from .sampling import Guarded, top_logprobs
 from .scheduler import Scheduler, Sequence
 from .speculation import LaneWork
@@ -134,11 +134,10 @@ class OutputProcessor:
         seq.sink(ErrorEvent(f"this request failed: {type(error).__name__}: {error}", 500))
         self.metrics.count_request(Outcome.ERROR)
 
-    def preempted(self, seq: Sequence) -> None:
-        """Take `seq` out of the batch (the scheduler has put it back in the
-        queue): emit the token already sampled for it, keep its cache in the
-        prompt cache while room lasts."""
-        taken = self.runner.take_out(seq)
+    def preempted(self, seq: Sequence, taken: Taken) -> None:
+        """`seq` was taken out of the batch (`taken`; the scheduler has put it
+        back in the queue): emit the token already sampled for it, keep its
+        cache in the prompt cache while room lasts."""
         self.metrics.count_preemption()
         log.info(
             "request %d preempted after %d tokens (%d sequences running); it resumes later",
@@ -256,6 +255,8 @@ class OutputProcessor:
             seq = next(s for s in done if s.id == request_id)
             segment = seq.cuts.popleft() if seq.cuts else Segment.CONTEXT
             self.memory.store_prompt(tokens, cache, segment)
+            # a cut passed is stored (or refused) once: nobody waits for it any more
+            seq.cuts_at = tuple(n for n in seq.cuts_at if n > len(tokens))
 
     # ------------------------------------------------------------ the lane
     def lane_step(self) -> None:
@@ -273,6 +274,7 @@ class OutputProcessor:
         for tokens, cache, segment in work.snapshots:
             if self.prompt_cache.max_entries:
                 self.memory.store_prompt(tokens, cache, segment)
+            seq.cuts_at = tuple(n for n in seq.cuts_at if n > len(tokens))
         if work.tokens:
             self.scheduler.prompt_done(seq)
             self.metrics.record_drafts(work.proposed, sum(t.from_draft for t in work.tokens))

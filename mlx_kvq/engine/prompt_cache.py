@@ -11,7 +11,17 @@ prefix, a prompt with its answer) and evicted in mlx-lm's server's order
 (`LRUPromptCache.CacheOrder`: answers first while they are at least as
 many as the prefixes, then prefixes while at least as many as the system
 prompts, least recently used first within a kind), so the system prompt a
-new conversation starts with outlives the answers of old ones.
+new conversation starts with outlives the answers of old ones. As in
+mlx-lm, an entry being inserted takes its place in that order first: it
+is refused rather than evicting an entry that order keeps longer.
+
+An entry an admitted request counts on starting from is pinned until the
+request has taken its copy (`pin`, `copied`): it is not evicted meanwhile.
+A system prompt that live sequences started from (mapping it whole) is kept
+as long as two of them run: it is the prefix they share, and a preempted
+one resumes from it instead of computing it again. What the kept entries
+hold, or may come to hold, apart from the live sequences is counted by the
+KV budget (`kept_nbytes`).
 
 Both caps are checked on the one insert path and whenever the byte budget
 shrinks, and bytes are the caches' own `nbytes`, measured on insert. With
@@ -24,16 +34,18 @@ blocks no live sequence refers to, each once).
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from mlx_kvq.caches import cached_only_bytes, exact_trim_limit, keep_in_prompt_cache
+from mlx_kvq.caches import apart_bytes, cached_only_bytes, exact_trim_limit, keep_in_prompt_cache
 
 from .requests import Segment
 
@@ -127,7 +139,10 @@ class PromptCache:
         # what the entries really hold (paged: blocks live sequences share are theirs)
         self.held_bytes: Callable[[], int] | None = None
         self._entries: dict[tuple[int, ...], _Entry] = {}
-        self._order = LRUPromptCache.CacheOrder([s.value for s in _EVICTION_ORDER])
+        # each kind's keys, least recently used first (mlx-lm's `CacheOrder`)
+        self._order: dict[Segment, dict[tuple[int, ...], None]] = {s: {} for s in _EVICTION_ORDER}
+        # request id -> the entry it pinned, and whether it has copied it
+        self._pins: dict[int, tuple[tuple[int, ...], bool]] = {}
         self._nbytes = 0
         self._lock = threading.RLock()  # `held_bytes` may read the entries
         self._hits = self._misses = self._evictions = self._rejected = 0
@@ -173,9 +188,61 @@ class PromptCache:
     def _use(self, key: tuple[int, ...]) -> _Entry:
         """Mark an entry as just used (the last of its kind to be evicted)."""
         entry = self._entries[key]
-        self._order.remove(None, key)
-        self._order.push(None, key, entry.segment.value)
+        self._order[entry.segment].pop(key, None)
+        self._order[entry.segment][key] = None
         return entry
+
+    def _victim(self, new: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
+        """The next key in eviction order (mlx-lm's `CacheOrder.pop`: a kind
+        goes first while it has at least as many keys as the next kind), of
+        the entries not kept and `new` (being inserted); None when every
+        entry is kept."""
+        kept = self._kept()
+        kinds = [
+            [k for k in self._order[s] if (k in self._entries or k == new) and k not in kept]
+            for s in _EVICTION_ORDER
+        ]
+        for a, b in itertools.pairwise(kinds):
+            if a and len(a) >= len(b):
+                return a[0]
+        return next((k[0] for k in reversed(kinds) if k), None)
+
+    # ------------------------------------------------------------ pins
+    def pin(self, key: tuple[int, ...], owner: int) -> None:
+        """Keep the entry `key` until `owner` (an admitted request) has copied it."""
+        with self._lock:
+            if key in self._entries:
+                self._pins[owner] = (key, False)
+
+    def copied(self, owner: int, mapped: int = 0) -> None:
+        """`owner` has its copy of the entry it pinned, which maps `mapped`
+        tokens of it by reference (0: none, or not in the batch): the pin goes,
+        unless it mapped a system prompt whole (then it keeps it while another
+        live sequence does too)."""
+        with self._lock:
+            pin = self._pins.pop(owner, None)
+            entry = None if pin is None else self._entries.get(pin[0])
+            if entry is not None and entry.segment is Segment.SYSTEM and mapped == len(pin[0]):
+                self._pins[owner] = (pin[0], True)
+
+    def unpin(self, owner: int) -> None:
+        with self._lock:
+            self._pins.pop(owner, None)
+
+    def _kept(self) -> set[tuple[int, ...]]:
+        """Keys never evicted now: pinned by a request yet to copy them, or by
+        two live sequences that started from them."""
+        started = Counter(k for k, done in self._pins.values() if done)
+        return {k for k, done in self._pins.values() if not done or started[k] > 1}
+
+    def kept_nbytes(self) -> int:
+        """Bytes the kept entries hold, or may come to hold, apart from the live
+        sequences, each entry once: their own caches, and their blocks but the
+        whole full-attention blocks the sequences mapping them hold too
+        (`apart_bytes`)."""
+        with self._lock:
+            entries = [self._entries[k] for k in self._kept() if k in self._entries]
+            return sum(storage_nbytes(e.cache) + apart_bytes(e.cache) for e in entries)
 
     def touch(self, tokens: list[int]) -> None:
         """Mark the entry `fetch(tokens)` would use as just used, so that
@@ -245,22 +312,32 @@ class PromptCache:
                 self._evict(cap)
                 return False
             if key in self._entries:
+                if key in self._kept():  # requests count on it: it stays as it is
+                    return True
                 self._drop(key)
-            # bytes first: the copy below never puts the cache over its cap
-            # (the entry count is kept after the insertion, in mlx-lm's order)
-            while cap is not None and self._entries and with_it() > cap:
-                self._evict_next()
+            # bytes first: the copy below never puts the cache over its cap. The
+            # entry takes its place in the eviction order first (mlx-lm's): it
+            # is refused rather than evicting what that order keeps longer (the
+            # entry count is kept after the insertion, in the same order).
+            self._order[segment][key] = None
+            while cap is not None and with_it() > cap:
+                victim = self._victim(key)
+                if victim is None or victim == key:
+                    del self._order[segment][key]
+                    self._rejected += 1
+                    return False
+                self._evict_key(victim)
         own_copy(cache)
         nbytes = cache_nbytes(cache)
         with self._lock:
             if can_trim_prompt_cache(cache):
                 # A trimmable longer cache serves every prefix it trims back to
-                # exactly: drop those.
+                # exactly: drop those (not one a request is about to copy).
+                kept = self._kept()
                 for k in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
-                    if _trims_exactly(cache, len(key) - len(k)):
+                    if k not in kept and _trims_exactly(cache, len(key) - len(k)):
                         self._drop(k)
             self._entries[key] = _Entry(cache, nbytes, segment)
-            self._order.push(None, key, segment.value)
             self._nbytes += nbytes
             self._evict(cap)
         return True
@@ -276,13 +353,13 @@ class PromptCache:
             return [len(k) for k in self._entries]
 
     def evict_oldest(self) -> bool:
-        """Evict the next entry in eviction order; False when there is none."""
+        """Evict the next entry in eviction order; False when there is none
+        (or every entry is kept)."""
         with self._lock:
-            if not self._entries:
+            key = self._victim()
+            if key is None:
                 return False
-            _, key = self._order.pop()
-            self._nbytes -= self._entries.pop(key).nbytes
-            self._evictions += 1
+            self._evict_key(key)
             return True
 
     def trim_to(self, budget: int | None) -> None:
@@ -295,16 +372,20 @@ class PromptCache:
         return max(0, min(caps)) if caps else None
 
     def _drop(self, key: tuple[int, ...]) -> None:
-        self._nbytes -= self._entries.pop(key).nbytes
-        self._order.remove(None, key)
+        entry = self._entries.pop(key)
+        self._nbytes -= entry.nbytes
+        self._order[entry.segment].pop(key, None)
 
     def _evict(self, cap: int | None) -> None:
+        """Evict in order until within the caps (kept entries stay)."""
         while self._entries and (
             len(self._entries) > self.max_entries or (cap is not None and self.nbytes > cap)
         ):
-            self._evict_next()
+            key = self._victim()
+            if key is None:
+                return
+            self._evict_key(key)
 
-    def _evict_next(self) -> None:
-        _, key = self._order.pop()
-        self._nbytes -= self._entries.pop(key).nbytes
+    def _evict_key(self, key: tuple[int, ...]) -> None:
+        self._drop(key)
         self._evictions += 1

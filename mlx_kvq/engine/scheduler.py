@@ -9,7 +9,9 @@ accounting (`memory.Memory`) alone:
 
 - Growth first. A running sequence that the next step takes past the tokens
   it holds grows; when that does not fit, the most recently admitted
-  sequence is preempted (vLLM's rule), until it fits. The oldest sequence
+  sequence is preempted (vLLM's rule), until it fits (a decoding row leaves
+  the batch before the next step: what it alone holds is free at once, so
+  one preemption makes the room it frees). The oldest sequence
   therefore always goes on, so none starves. A sequence that cannot grow
   even alone is exhausted: it ends with `length`. One left alone by
   preempting the others in this plan is not: what they hold is freed only
@@ -23,10 +25,12 @@ accounting (`memory.Memory`) alone:
   starts as the prompt of a sequence still prefilling does, where that
   sequence will store a copy in the prompt cache (at its prompt's cuts:
   the system prompt's end, all but its last token), waits for the copy
-  (`waits_for_prefix`): it then maps the prefix's blocks instead of
-  computing and holding them a second time. Where the copy is gone when it
-  starts, it is priced in full again first, and goes back to the head of
-  the queue if that does not fit (`requeue`).
+  (`waits_for_prefix`; a cut the sequence has passed is waited for no
+  more): it then maps the prefix's blocks and its windows' state there
+  instead of computing and holding them a second time. The copy it was
+  admitted against is kept until it has started. Where it starts from less
+  all the same, it is priced in full again first, and goes back to the
+  head of the queue if that does not fit (`requeue`).
 
 The speculative lane is one more place a sequence runs: a request that may
 speculate gets it when it would be the engine's only sequence; any other
@@ -84,7 +88,7 @@ class Sequence:
     uid: int | None = None  # its row in the batch (None: queued, or on the lane)
     on_lane: bool = False
     cuts: deque[Segment] = field(default_factory=deque)  # what the next prompt cuts store
-    cuts_at: tuple[int, ...] = ()  # prompt lengths whose copies its prefill stores
+    cuts_at: tuple[int, ...] = ()  # prompt lengths whose copies its prefill will store
     waited: bool = False  # waited for a prefix another sequence was prefilling
     stop_hit: bool = False
     preemptions: int = 0

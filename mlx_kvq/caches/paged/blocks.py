@@ -203,6 +203,16 @@ class BlockAllocator:
         if h is not None:
             del self._by_hash[h]
 
+    def live_only_for(self, accounts: set) -> int:
+        """Live blocks that only tables of `accounts` refer to, besides the
+        prompt cache (they are live no more once those tables go)."""
+        refs: dict[int, int] = {}
+        for t in list(self._tables):
+            if t.account in accounts:
+                for b in t.ids:
+                    refs[b] = refs.get(b, 0) + 1
+        return sum(1 for b, n in refs.items() if n == self.refs[b] - self.cache_refs[b])
+
     # -- compaction ---------------------------------------------------------------
     def in_use(self) -> list[int]:
         """The referenced blocks, in id order."""

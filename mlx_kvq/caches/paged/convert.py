@@ -114,6 +114,35 @@ def cached_only_bytes(caches: list) -> int:
     return sum(len(ids) * pool.block_bytes for pool, ids in blocks.values())
 
 
+def apart_bytes(caches: list) -> int:
+    """Bytes of the blocks of `caches` (a prompt-cache entry) that the prompt
+    cache holds, or may come to hold, apart from the sequences that started
+    from it, each once: all but the whole full-attention blocks something
+    besides the prompt cache refers to (a window's blocks are dropped as its
+    rows move on; a partly filled block is copied before it is written)."""
+    blocks: dict[int, tuple] = {}
+    for leaf in _paged_leaves(caches):
+        a, t = leaf.pool.allocator, leaf.table
+        whole = 0 if leaf.window is not None else (t.length - t.base) // leaf.pool.block_size
+        ids = {b for i, b in enumerate(t.ids) if i >= whole or a.refs[b] == a.cache_refs[b]}
+        pool, held = blocks.get(id(leaf.pool), (leaf.pool, set()))
+        blocks[id(leaf.pool)] = (pool, held | ids)
+    return sum(len(ids) * pool.block_bytes for pool, ids in blocks.values())
+
+
+def blocks_kept(caches: list, pages: Pages, tokens: int) -> dict:
+    """The pool blocks of `caches`' paged leaves (a prompt-cache entry) that a
+    copy cut back to its first `tokens` tokens still holds, per pool key:
+    those starting before `tokens` (a window's are the ones its table kept;
+    a split row's blocks end before its exact tail, which is cut first)."""
+    out: dict = {}
+    for leaf in _paged_leaves(caches):
+        t = leaf.table
+        n = max(0, -(-(tokens - t.base) // leaf.pool.block_size))
+        out[pages.key_of(leaf.pool)] = t.ids[:n]
+    return out
+
+
 def paged_block_size(layers: Iterable[tuple[str, int | None, QuantSpec, QuantSpec]]) -> int:
     """The block size the paged layout takes by default for layers given as
     (kind, window, key spec, value spec): PAGED_BLOCK_SIZE tokens, or the
@@ -183,6 +212,8 @@ def mapped_blocks(caches: list) -> int:
 
 
 __all__ = [
+    "apart_bytes",
+    "blocks_kept",
     "cached_only_bytes",
     "keep_in_prompt_cache",
     "mapped_blocks",

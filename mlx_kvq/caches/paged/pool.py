@@ -9,10 +9,11 @@ least `min_growth` blocks) when no block is free, never past what its
 `Pages` holds one pool per paged cache slot of a model and is the paged
 layout's memory: what the pools hold (live, or kept by the prompt cache
 only), what admitted requests were promised (`promise`: the blocks each
-pool will hold for them at most, of which they hold some already), and the
-blocks an admitted request claims from its prompt's prefix before its
-tables exist (`claim`). The KV budget asks it "are there N blocks"; it
-never prices blocks itself.
+pool will hold for them at most, of which they hold some already), the
+blocks an admitted request claims before its tables exist (`claim_blocks`:
+those of the prompt-cache entry it starts from), and the rows leaving the
+batch before the next step, whose blocks count as free (`leave`). The KV
+budget asks it "are there N blocks"; it never prices blocks itself.
 """
 
 from __future__ import annotations
@@ -208,6 +209,7 @@ class Pages:
         self.overdrafts = 0  # blocks made past the limit: a row needed one, none was free
         self._promised: dict[Account, dict[PoolKey, int]] = {}
         self._claims: dict[Account, dict[PoolKey, list[int]]] = {}
+        self._leaving: set[Account] = set()  # rows leaving the batch before the next step
 
     def pool(
         self,
@@ -246,7 +248,18 @@ class Pages:
     # -- what admitted requests hold and may take ----------------------------------
     def promise(self, account: Account, blocks: dict[PoolKey, int]) -> None:
         """`account` (an admitted request) may hold up to `blocks` per pool."""
+        self._leaving.discard(account)
         self._promised[account] = dict(blocks)
+
+    def leave(self, account: Account) -> None:
+        """`account`'s rows leave the batch before the next step (preempted,
+        ended): the blocks only they refer to count as free from now on
+        (they are freed, or go to the prompt cache, which yields them)."""
+        self._leaving.add(account)
+
+    def settle(self) -> None:
+        """A step ran: the rows that were leaving have left."""
+        self._leaving.clear()
 
     def promised(self, account: Account) -> dict[PoolKey, int]:
         return self._promised.get(account, {})
@@ -268,10 +281,12 @@ class Pages:
         for key in set(self.pools) | set(owed):
             pool = self.pools.get(key)
             a = pool.allocator if pool is not None else None
+            live = 0 if a is None else a.live
+            if a is not None and self._leaving:
+                live -= a.live_only_for(self._leaving)
             out[key] = BlockUse(
-                a.live if a else 0, a.cached if a else 0, a.capacity if a else 0,
-                owed.get(key, 0),
-            )  # fmt: skip
+                live, a.cached if a else 0, a.capacity if a else 0, owed.get(key, 0)
+            )
         return out
 
     # -- prefixes --------------------------------------------------------------------
@@ -305,13 +320,25 @@ class Pages:
         """Take a reference, for `account`, to the blocks holding `tokens`'
         prefix (`match`): they stay until its tables hold them (`unclaim`).
         Returns how many per pool."""
+        return self.claim_blocks(account, self.match(tokens))
+
+    def claim_blocks(
+        self, account: Account, blocks: dict[PoolKey, list[int]]
+    ) -> dict[PoolKey, int]:
+        """Take a reference, for `account`, to `blocks` (per pool; those of the
+        prompt-cache entry it will start from, `caches.blocks_kept`): they stay
+        until its tables hold them (`unclaim`). Returns how many per pool."""
         self.unclaim(account)
-        found = {k: ids for k, ids in self.match(tokens).items() if ids}
+        found = {k: list(ids) for k, ids in blocks.items() if ids}
         for key, ids in found.items():
             self.pools[key].incref(ids, account)
         if found:
             self._claims[account] = found
         return {k: len(ids) for k, ids in found.items()}
+
+    def key_of(self, pool: BlockPool) -> PoolKey:
+        """The key `pool` is held under."""
+        return next(k for k, p in self.pools.items() if p is pool)
 
     def unclaim(self, account: Account) -> None:
         for key, ids in self._claims.pop(account, {}).items():
