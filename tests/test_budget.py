@@ -645,8 +645,32 @@ def _held(plan, tokens: int, own: int | None = None) -> int:
     )  # fmt: skip
 
 
+def _sessions(engine, prompts: list[list[int]], system: int, answer: int) -> list[Sink]:
+    """Send every prompt at once, greedy, `answer` tokens each, with a
+    checkpoint at the shared system prompt's end; wait for all, then stop."""
+    checkpoints = (Checkpoint(system, Segment.SYSTEM),)
+    sinks = [Sink() for _ in prompts]
+    try:
+        for prompt, sink in zip(prompts, sinks, strict=True):
+            params = SamplingParams(max_tokens=answer, temperature=0.0)
+            engine.submit(GenerationRequest(prompt, params, checkpoints=checkpoints), sink)
+        assert all(s.done.wait(WAIT_S) for s in sinks)
+    finally:
+        engine.stop()
+    return sinks
+
+
+def _within_budget(ledger, budget: int, measured, sinks: list[Sink], answer: int) -> None:
+    """The engine's own counters: no overrun, no bound missed, every step's
+    bytes within the budget, and every session its whole answer (no EOS)."""
+    assert ledger.overruns == 0 and ledger.bound_misses == 0
+    assert 0 < ledger.peak_held <= budget
+    assert all(live <= reserved and live + pc <= budget for live, reserved, pc in measured)
+    assert [s.tokens for s in sinks] == [answer] * len(sinks)
+
+
 def test_sessions_sharing_a_system_prompt_sent_together_stay_within_the_budget(loaded, monkeypatch):
-    """Issue 51: sixteen sessions with one long system prompt (a checkpoint at
+    """Sixteen sessions with one long system prompt (a checkpoint at
     its end) sent at once to a hybrid model, under 1.5x what one whole session
     and the others' own tokens hold. No admission counts on a prefix the
     sequence does not map when it runs, and the oldest is never cut for memory
@@ -662,20 +686,9 @@ def test_sessions_sharing_a_system_prompt_sent_together_stay_within_the_budget(l
     budget = int(1.5 * (_held(plan, total) + (n - 1) * _held(plan, total, own + answer)))
     engine = _engine(model, BenchTokenizer(384), WINDOWS_8BIT, budget, block_size=32,
                      prefill_step_size=128, decode_concurrency=n, prompt_cache_size=64)  # fmt: skip
-    checkpoints = (Checkpoint(len(system), Segment.SYSTEM),)
-    sinks = [Sink() for _ in prompts]
-    try:
-        for prompt, sink in zip(prompts, sinks, strict=True):
-            params = SamplingParams(max_tokens=answer, temperature=0.0)
-            engine.submit(GenerationRequest(prompt, params, checkpoints=checkpoints), sink)
-        assert all(s.done.wait(WAIT_S) for s in sinks)
-    finally:
-        engine.stop()
+    sinks = _sessions(engine, prompts, len(system), answer)
     ledger = engine.budget
-    assert ledger.overruns == 0 and ledger.bound_misses == 0
-    assert 0 < ledger.peak_held <= budget
-    assert all(live <= reserved and live + pc <= budget for live, reserved, pc in measured)
-    assert [s.tokens for s in sinks] == [answer] * n  # no EOS: each its whole answer
+    _within_budget(ledger, budget, measured, sinks, answer)
     assert all(s.end.reason is FinishReason.LENGTH for s in sinks)
     assert engine.metrics.snapshot().prefix_blocks_reused > 0  # the system prompt was shared
 
@@ -687,7 +700,7 @@ def test_sessions_sharing_a_system_prompt_sent_together_stay_within_the_budget(l
 def test_sessions_sent_together_compute_their_system_prompt_once(
     loaded, name, block_size, prefill_step, monkeypatch
 ):
-    """Issue 51: sixteen sessions sharing a 1,000-token system prompt (its end
+    """Sixteen sessions sharing a 1,000-token system prompt (its end
     on no block boundary) sent at once, under 1.5x what one whole session
     holds plus what the other fifteen hold of their own, as the budget prices
     them. The first computes the prefix; the others wait for its copy and map
@@ -717,20 +730,9 @@ def test_sessions_sent_together_compute_their_system_prompt_once(
                      prefill_step_size=prefill_step, decode_concurrency=n)  # fmt: skip
     engine.metrics.max_batch_size = 0
     before = engine.metrics.snapshot().prompt_tokens  # the warm-up's
-    checkpoints = (Checkpoint(len(system), Segment.SYSTEM),)
-    sinks = [Sink() for _ in prompts]
-    try:
-        for prompt, sink in zip(prompts, sinks, strict=True):
-            params = SamplingParams(max_tokens=answer, temperature=0.0)
-            engine.submit(GenerationRequest(prompt, params, checkpoints=checkpoints), sink)
-        assert all(s.done.wait(WAIT_S) for s in sinks)
-    finally:
-        engine.stop()
+    sinks = _sessions(engine, prompts, len(system), answer)
     ledger, figures = engine.budget, engine.metrics.snapshot()
-    assert ledger.overruns == 0 and ledger.bound_misses == 0
-    assert 0 < ledger.peak_held <= budget
-    assert all(live <= reserved and live + pc <= budget for live, reserved, pc in measured)
-    assert [s.tokens for s in sinks] == [answer] * n  # no EOS: each its whole answer
+    _within_budget(ledger, budget, measured, sinks, answer)
     computed = figures.prompt_tokens - before
     assert computed <= 1.2 * len(system) + n * own, computed
     assert figures.max_batch_size >= 14

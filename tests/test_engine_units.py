@@ -129,7 +129,7 @@ def test_disabled_cache_stores_nothing():
 
 
 def test_an_entry_is_kept_until_the_request_counting_on_it_copied_it():
-    """Issue 51: an admitted request's entry outlives every trim until it has
+    """An admitted request's entry outlives every trim until it has
     its copy, and what it holds is counted as kept meanwhile."""
     pc = PromptCache(max_entries=4)
     pc.insert([1, 2, 3], entry([1, 2, 3], trimmable=False), segment=Segment.CONTEXT)

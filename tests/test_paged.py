@@ -653,7 +653,7 @@ def test_full_blocks_are_found_by_the_tokens_they_hold():
 
 
 def test_a_request_claims_the_blocks_of_its_entry_and_leaving_rows_free_theirs():
-    """Issue 51: a request starting from a prompt-cache entry claims that
+    """A request starting from a prompt-cache entry claims that
     entry's own blocks, cut where it starts (the window's partly filled last
     block too, which hashes cannot find: a cut on no block boundary). The
     rows of a preempted request leave the batch before the next step: the

@@ -271,7 +271,7 @@ def test_states_admission_order_and_vllm_preemption(scripted):
 
 
 def test_the_oldest_is_not_cut_for_memory_the_preempted_still_hold(scripted):
-    """Issue 51: what a sequence preempted in this plan holds is freed only once
+    """What a sequence preempted in this plan holds is freed only once
     it leaves the batch (a row in its prompt, after the next step). The oldest,
     alone then and still unable to grow, fits the budget alone: it is not
     exhausted but preempted too, and resumes first."""
