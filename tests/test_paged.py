@@ -621,20 +621,28 @@ def test_the_allocator_knows_who_holds_each_block():
     assert a.used == 3 and a.cached == 0
 
 
+def _cached_entry(pages: Pages, tokens: list[int]):
+    """A full-attention pool and a 6-token window pool of `pages`, a one-row
+    batch of each filled with `tokens`, and their rows' copies kept in the
+    prompt cache: (full pool, window pool, the two batches, the entries)."""
+    data = Data(8)
+    full, fb = _pages_batch(pages, (0, None), rows=1, account=1)
+    win, wb = _pages_batch(pages, (1, None), rows=1, window=6, account=1)
+    fb.update_and_fetch(*data.kv(1, len(tokens)))
+    wb.update_and_fetch(*data.kv(1, len(tokens)))
+    entries = [fb.extract(0), wb.extract(0)]
+    keep_in_prompt_cache(entries, tokens)
+    return full, win, fb, wb, entries
+
+
 def test_full_blocks_are_found_by_the_tokens_they_hold():
     """An entry's full blocks are registered under the chained hash of their
     tokens; a prompt with the same prefix finds them (not the partly filled
     last one, not after a different token), windows only what their next
     token sees; a block cut back or freed is forgotten."""
     pages = Pages(4)
-    data = Data(8)
     tokens = list(range(100, 114))  # 3 full blocks and 2 tokens
-    full, fb = _pages_batch(pages, (0, None), rows=1, account=1)
-    win, wb = _pages_batch(pages, (1, None), rows=1, window=6, account=1)
-    fb.update_and_fetch(*data.kv(1, 14))
-    wb.update_and_fetch(*data.kv(1, 14))
-    entries = [fb.extract(0), wb.extract(0)]
-    keep_in_prompt_cache(entries, tokens)
+    full, win, fb, wb, entries = _cached_entry(pages, tokens)
     found = pages.match(tokens + [7, 8, 9])
     assert found[(0, None)] == entries[0].table.ids[:3]
     assert found[(1, None)] == [b for b in entries[1].table.ids if b in win.allocator.in_use()][:1]
@@ -660,14 +668,8 @@ def test_a_request_claims_the_blocks_of_its_entry_and_leaving_rows_free_theirs()
     blocks only they refer to (besides the prompt cache) count as free at
     once, those another request maps do not."""
     pages = Pages(4)
-    data = Data(8)
     tokens = list(range(100, 114))  # 3 full blocks and 2 tokens
-    full, fb = _pages_batch(pages, (0, None), rows=1, account=1)
-    win, wb = _pages_batch(pages, (1, None), rows=1, window=6, account=1)
-    fb.update_and_fetch(*data.kv(1, 14))
-    wb.update_and_fetch(*data.kv(1, 14))
-    entries = [fb.extract(0), wb.extract(0)]
-    keep_in_prompt_cache(entries, tokens)
+    full, win, fb, wb, entries = _cached_entry(pages, tokens)
     full_ids, window_ids = entries[0].table.ids, entries[1].table.ids
     assert len(window_ids) == 2 and pages.match(tokens + [7])[(1, None)] == window_ids[:1]
     kept = blocks_kept(entries, pages, 14)
