@@ -29,9 +29,9 @@ from mlx_kvq.engine import (
     SamplingParams,
     Segment,
 )
-from mlx_kvq.engine.prompt_cache import PromptCache
+from mlx_kvq.engine.prompt_cache import PromptCache, common_prefix
 from mlx_kvq.engine.prompts import chat_tokens
-from mlx_kvq.engine.segments import chat_checkpoints, split_prompt
+from mlx_kvq.engine.segments import PARTING_MIN, chat_checkpoints, parting_points, split_prompt
 from mlx_kvq.plan import plan_kv
 
 SYSTEM = "You answer questions about the shelves of a small library, briefly. " * 2
@@ -59,6 +59,21 @@ def test_split_prompt_cuts_at_checkpoints_past_the_cached_part():
     # a checkpoint at the last token's place is BatchGenerator's own cut
     pieces, cuts = split_prompt(prompt, 0, (Checkpoint(19, Segment.CONTEXT),))
     assert pieces == [prompt] and cuts == [Segment.CONTEXT]
+
+
+def test_parting_points_are_the_longest_shared_prefixes_that_add_enough():
+    prompt = list(range(1000))
+    beside = [list(range(300)) + [-1] * 50, list(range(200)) + [-2]]
+    held = [tuple(range(600)) + (-3,), tuple(range(700))]  # the second covers 700: no parting
+    cuts = parting_points(prompt, 0, beside, held[:1])
+    assert [(c.length, c.segment) for c in cuts] == [(300, Segment.SYSTEM), (600, Segment.CONTEXT)]
+    # what the prompt starts from already covers it, or it adds too little
+    assert parting_points(prompt, 300 - PARTING_MIN + 1, beside) == ()
+    assert parting_points(prompt, 0, [prompt]) == ()  # never the last token
+    # a parting point and a checkpoint at one length: the checkpoint names the segment
+    parting = parting_points(prompt, 0, held=[tuple(range(300)) + (-4,)])
+    pieces, cuts = split_prompt(prompt, 0, (Checkpoint(300, Segment.SYSTEM), *parting))
+    assert [len(p) for p in pieces] == [300, 700] and cuts == [Segment.SYSTEM, Segment.CONTEXT]
 
 
 def test_eviction_follows_mlx_lm_server_order():
@@ -178,6 +193,57 @@ def test_turn_k_reuses_the_earlier_turns(models, template):
         stats = engine.prompt_cache.stats()
         kinds = {s: n for s, n, _ in stats.by_segment}
         assert kinds["system"] == 1 and stats.entries <= 10
+    finally:
+        engine.stop()
+
+
+def raw(tokenizer, words: int, tail: int) -> list[int]:
+    """A plain-text prompt: a shared document of `words` words, then a tail of
+    its own (`tail` picks the words)."""
+    body = " ".join(f"w{i % 37}" for i in range(words))
+    own = " ".join(f"t{(tail * 7 + i) % 31}" for i in range(40))
+    return tokenizer.encode(f"{body}\n\nQuestion: {own}")
+
+
+def send(engine, prompt: list[int]) -> Collector:
+    c = Collector()
+    engine.submit(GenerationRequest(prompt, SamplingParams(max_tokens=4)), c)
+    return c
+
+
+def test_raw_prompts_part_where_they_differ_and_later_ones_start_there(models):
+    """Plain prompts carry no checkpoints: they are cut where they part from the
+    prompts beside them and from the prompt cache's entries, wrapped windows
+    and all, so the next prompt to share that prefix starts from it."""
+    model, tokenizer, plan, kv = models["qwen3"]
+    engine = run_engine(models["qwen3"])
+    try:
+        first = raw(tokenizer, 300, 1)
+        shared = common_prefix(first, raw(tokenizer, 300, 2))
+        assert shared > PARTING_MIN + 100
+        # alone: nothing to part from, nothing cached
+        c = send(engine, first)
+        c.wait()
+        assert c.end.usage.cached_tokens == 0
+        # it parts from the first's entries (wrapped windows: none serves it)
+        c = send(engine, raw(tokenizer, 300, 2))
+        c.wait()
+        assert c.end.usage.cached_tokens == 0
+        # the third starts where the second parted from the first
+        c = send(engine, raw(tokenizer, 300, 3))
+        c.wait()
+        assert c.end.usage.cached_tokens == shared
+
+        # sent together: the later ones wait for the copy where they part from the first
+        longer = [raw(tokenizer, 450, t) for t in range(4, 8)]
+        together = common_prefix(longer[0], longer[1])
+        assert together > shared + PARTING_MIN
+        cs = [send(engine, p) for p in longer]
+        for c in cs:
+            c.wait()
+            assert isinstance(c.end, FinishEvent), c.end
+        cached = sorted(c.end.usage.cached_tokens for c in cs)
+        assert cached[0] <= shared and cached[1:] == [together] * 3
     finally:
         engine.stop()
 

@@ -46,7 +46,7 @@ from .requests import GenerationRequest, Outcome
 from .runner import BatchRunner
 from .sampling import SamplerPool
 from .scheduler import RequestStatus, Scheduler, Sequence, StepPlan
-from .segments import split_prompt
+from .segments import parting_points, split_prompt
 
 log = logging.getLogger("mlx_kvq.engine")
 
@@ -77,9 +77,15 @@ class PlanExecutor:
         self.output = output
         self.left_queue = left_queue
         self.eos = eos  # what ends every sequence in the batch
-        # whether some cache of the plan cannot be trimmed back (then prompts
-        # are cut at their checkpoints; otherwise the longest entry serves every prefix)
-        self._untrimmable = any(p.window is not None or p.kind == "state" for p in plan.layers)
+        # whether some cache of the plan cannot be trimmed back exactly (a window,
+        # recurrent state, a quantized body behind an exact tail): then prompts
+        # are cut at their checkpoints; otherwise the longest entry serves every prefix
+        self._untrimmable = any(
+            p.window is not None
+            or p.kind == "state"
+            or (p.quantized and (p.key_spec.residual or p.value_spec.residual))
+            for p in plan.layers
+        )
 
     def run(self) -> None:
         """Plan this step and carry the plan out."""
@@ -151,6 +157,18 @@ class PlanExecutor:
         trimmed back."""
         return request.checkpoints if self._untrimmable else ()
 
+    def _cut_points(self, seq: Sequence, cached: int) -> tuple:
+        """Where `seq`'s prefill stores copies besides its last token: its
+        request's checkpoints, and where its prompt parts from the prompts
+        beside it and from the prompt cache's entries (`parting_points`)."""
+        if not self._untrimmable:
+            return ()
+        prompt = seq.request.prompt
+        beside = [s.request.prompt for s in self.scheduler if s is not seq]
+        held = self.prompt_cache.keys()
+        parting = parting_points(prompt, cached, beside, held)
+        return (*seq.request.checkpoints, *seq.parting, *parting)
+
     def _prepare(self, seq: Sequence) -> tuple[list[int], list, int] | None:
         """The tokens `seq` starts (or resumes) from, its sampler, and the prompt
         cache's best cache for them (a fresh one when none matches) with how
@@ -182,7 +200,7 @@ class PlanExecutor:
             return
         tokens, cache, cached = prepared
         resumed = seq.preemptions > 0
-        checkpoints = () if resumed else self._checkpoints(seq.request)
+        checkpoints = () if resumed else self._cut_points(seq, cached)
         pieces, cuts = split_prompt(tokens, cached, checkpoints)
         seq.cuts = deque(cuts)
         seq.cuts_at = ()

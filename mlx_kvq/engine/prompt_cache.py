@@ -37,7 +37,7 @@ import copy
 import itertools
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,8 +94,11 @@ def _trims_exactly(cache: list[Any], n: int) -> bool:
     return limit is None or n <= limit
 
 
-def common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
     n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
     for i in range(n):
         if a[i] != b[i]:
             return i
@@ -346,6 +349,11 @@ class PromptCache:
         """Bytes the entries hold outside block pools (see `storage_nbytes`)."""
         with self._lock:
             return sum(storage_nbytes(e.cache) for e in self._entries.values())
+
+    def keys(self) -> list[tuple[int, ...]]:
+        """The token sequences the entries cover."""
+        with self._lock:
+            return list(self._entries)
 
     def token_counts(self) -> list[int]:
         """How many tokens each entry covers."""

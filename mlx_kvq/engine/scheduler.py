@@ -54,7 +54,8 @@ from typing import Any
 
 from .memory import Memory, Need
 from .prompt_cache import common_prefix
-from .requests import EventSink, GenerationRequest, Segment
+from .requests import Checkpoint, EventSink, GenerationRequest, Segment
+from .segments import parting_points
 from .stops import StopMatcher
 
 log = logging.getLogger("mlx_kvq.engine")
@@ -89,6 +90,7 @@ class Sequence:
     on_lane: bool = False
     cuts: deque[Segment] = field(default_factory=deque)  # what the next prompt cuts store
     cuts_at: tuple[int, ...] = ()  # prompt lengths whose copies its prefill will store
+    parting: tuple[Checkpoint, ...] = ()  # where prompts queued beside it part from it
     waited: bool = False  # waited for a prefix another sequence was prefilling
     stop_hit: bool = False
     preemptions: int = 0
@@ -267,7 +269,9 @@ class Scheduler:
         """The sequence still prefilling whose prompt starts as `seq`'s does and
         will store a copy of more of it than `seq` could start from now (None:
         none). `seq` waits for that copy instead of computing and holding its
-        prefix a second time."""
+        prefix a second time. A sequence admitted in this step and not yet in
+        the batch is cut where `seq`'s prompt parts from its own, when that
+        adds enough (`parting_points`)."""
         tokens = None
         for other in self.running.values():
             if other.status is not RequestStatus.PREFILLING or not other.cuts_at:
@@ -275,7 +279,12 @@ class Scheduler:
             if tokens is None:
                 tokens = seq.tokens
                 now = self.memory.covered(tokens)
-            shared = common_prefix(tuple(other.request.prompt), tokens)
+            prompt = other.request.prompt
+            shared = common_prefix(prompt, tokens)
+            if other.uid is None and not other.on_lane and other.preemptions == 0:
+                for cut in parting_points(prompt, now, beside=[tokens[:shared]]):
+                    other.parting += (cut,)
+                    other.cuts_at = tuple(sorted({*other.cuts_at, cut.length}))
             if any(now < length <= shared for length in other.cuts_at):
                 return other
         return None

@@ -15,17 +15,27 @@ mlx-lm's server does:
 The engine also keeps all but the last prompt token (the next turn of a
 template that drops earlier reasoning starts there) and the prompt with
 its answer (the next turn of a template that keeps history verbatim).
+
+Whatever the API or template, a prompt is also cut where it parts from
+prompts the server has seen (`parting_points`): from a prompt beside it (a
+system prompt or a document that sessions arriving together share, kept
+as a system prompt) and from a prompt-cache entry that cannot be cut back
+that far (a conversation whose history an agent rewrote, kept as
+context). The next prompt to part there starts from that copy.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .prompt_cache import common_prefix
 from .prompts import chat_tokens
 from .requests import Checkpoint, Segment
 
 THINK_TAIL = 11  # tokens from the end searched for an opening think marker (mlx-lm's)
+PARTING_MIN = 128  # tokens a parting point must add to what a prompt starts from
 
 log = logging.getLogger(__name__)
 _reported: set[str] = set()  # reasons already logged, so each is said once
@@ -92,15 +102,35 @@ def _think_tail(tokenizer, prompt: list[int]) -> int:
     return start
 
 
+def parting_points(
+    prompt: Sequence[int],
+    covered: int,
+    beside: Iterable[Sequence[int]] = (),
+    held: Iterable[Sequence[int]] = (),
+) -> tuple[Checkpoint, ...]:
+    """Where `prompt` parts from the prompts `beside` it (queued or running:
+    a `Segment.SYSTEM` checkpoint) and from the prompt cache's keys `held`
+    (a `Segment.CONTEXT` one), the longest of each, when it adds at least
+    `PARTING_MIN` tokens to the `covered` ones it starts from."""
+    out = {}
+    for others, segment in ((beside, Segment.SYSTEM), (held, Segment.CONTEXT)):
+        length = max((common_prefix(o, prompt) for o in others), default=0)
+        if covered + PARTING_MIN <= length < len(prompt) - 1 and length not in out:
+            out[length] = segment
+    return tuple(Checkpoint(n, s) for n, s in out.items())
+
+
 def split_prompt(
     prompt: list[int], cached: int, checkpoints: tuple[Checkpoint, ...]
 ) -> tuple[list[list[int]], list[Segment]]:
     """The uncached part of `prompt` cut at the checkpoints past `cached`, and
     the segment each cut stores. The last cut, all but the last token, is
     made by mlx-lm's `BatchGenerator` itself and stores a `Segment.CONTEXT`."""
-    cuts = sorted(
-        {c.length: c.segment for c in checkpoints if cached < c.length < len(prompt) - 1}.items()
-    )
+    at: dict[int, Segment] = {}  # the first checkpoint at a length names its segment
+    for c in checkpoints:
+        if cached < c.length < len(prompt) - 1:
+            at.setdefault(c.length, c.segment)
+    cuts = sorted(at.items())
     pieces, start = [], cached
     for length, _ in cuts:
         pieces.append(prompt[start:length])
