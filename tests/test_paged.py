@@ -500,6 +500,31 @@ def test_window_rows_read_again_after_a_write_see_what_it_saw():
     assert _table_rows(batch.keys_and_values()[0]) == [batch.tables[0].ids]
 
 
+def test_a_window_row_trims_back_exactly_the_tokens_it_holds_past_its_window():
+    """A finished window row keeps its next query's `window - 1` tokens to the
+    start of a block: those past them come off exactly (what a prompt cache
+    entry cut back to a shorter prompt gives), and no more."""
+    pool = BlockPool(4, QuantSpec(4), QuantSpec(4))
+    k, v = Data(4).kv(1, 31)
+    batch = _batch(pool, window=8)
+    for i in range(30):
+        batch.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+    entry = batch.extract(0)
+    assert (entry.table.base, entry.table.length) == (20, 30)  # holds 10: 7 + 3 more
+    assert entry.exact_trim() == 3 and entry.is_trimmable()
+    assert entry.trim(3) == 3 and entry.offset == 27
+    fresh = _batch(pool, window=8)
+    for i in range(27):
+        fresh.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+    rows = KVQPagedSequence.merge([entry])
+    got, _ = rows.update_and_fetch(k[:, :, 30:31], v[:, :, 30:31])
+    want, _ = fresh.update_and_fetch(k[:, :, 30:31], v[:, :, 30:31])
+    assert got.ends == want.ends == (28,)
+    a, b = (x.row(0).map(lambda t: t[:, :, -8:]) for x in (got, want))
+    assert mx.array_equal(a.data, b.data).item() and mx.array_equal(a.scales, b.scales).item()
+    assert rows.extract(0).exact_trim() == 1  # holds 8: one more than its next query needs
+
+
 def _table_rows(view: PagedKV) -> list[list[int]]:
     """The block ids each row of a view reads (its table array's used entries)."""
     bs = view.block_size
@@ -686,6 +711,30 @@ def test_a_request_claims_the_blocks_of_its_entry_and_leaving_rows_free_theirs()
     del fetched
     pages.promise(1, {})  # admitted again: its rows are back
     assert pages.use()[(0, None)].live == 4
+
+
+def test_a_claim_survives_a_compaction_before_it_is_released():
+    """A request claims its entry's blocks when admitted and releases them
+    once its tables hold them; the pools may compact in between (another
+    admission reading a prefix from disk stores it, and the budget is
+    measured): the claim is renumbered with every table, and its release
+    drops the blocks it took, not those now under their numbers."""
+    pages = Pages(4)
+    data = Data(10)
+    tokens = list(range(100, 114))
+    pool, batch = _pages_batch(pages, (0, None), rows=2, account=1)
+    batch.update_and_fetch(*data.kv(2, len(tokens)))  # 4 blocks a row, interleaved
+    entry = batch.extract(1)
+    keep_in_prompt_cache([entry], tokens)
+    batch.filter([1])  # row 0's blocks are free, below the entry's
+    kept = blocks_kept([entry], pages, len(tokens))
+    pages.claim_blocks(3, kept)
+    pool.compact(everything=True)
+    assert entry.table.ids == batch.tables[0].ids != kept[(0, None)]  # renumbered
+    assert pool.refs == [3] * 4 and pool.allocator.held[3] == 4
+    pages.unclaim(3)
+    assert pool.refs == [2] * 4 and 3 not in pool.allocator.held
+    _check_pool(pool, [batch, entry])
 
 
 def test_promises_and_the_storage_limit():

@@ -75,6 +75,16 @@ class KVQPagedWindowSequence(KVQPagedSequence, windowed=True):
     def max_size(self) -> int:
         return self.window
 
+    def is_trimmable(self) -> bool:
+        return True
+
+    def exact_trim(self) -> int | None:
+        """How many tokens it trims back to what a decode to the shorter length
+        holds: those past the `window - 1` its next query needs, which a row
+        keeps to the start of a block (any, before a block was dropped)."""
+        t = self.table
+        return None if t.base == 0 else max(0, t.length - t.base - (self.window - 1))
+
 
 KVQPagedWindowCache.sequence_form = KVQPagedWindowSequence
 
