@@ -143,6 +143,10 @@ def goals(result: dict) -> list[dict]:
         from .servers_bench import goals as servers_goals
 
         out += servers_goals(result["servers"])
+    if result.get("agents"):
+        from .agents_bench import goals as agents_goals
+
+        out += agents_goals(result["agents"])
     return out  # fmt: skip
 
 
@@ -382,6 +386,10 @@ def markdown(result: dict) -> str:
         from .servers_bench import markdown as servers_markdown
 
         lines += servers_markdown(result["servers"])
+    if result.get("agents"):
+        from .agents_bench import markdown as agents_markdown
+
+        lines += agents_markdown(result["agents"])
     if result.get("plots"):
         lines += (
             ["## Plots", ""]

@@ -23,6 +23,7 @@ SECTION_MODULES = {
     "serving": "serving_bench",
     "budget": "budget_bench",
     "servers": "servers_bench",
+    "agents": "agents_bench",
 }
 SECTION_TITLES = {
     "attention": "attention alone",
@@ -31,6 +32,7 @@ SECTION_TITLES = {
     "serving": "serving",
     "budget": "serving under a KV memory budget",
     "servers": "mlx-kvq serve against mlx_lm.server over HTTP",
+    "agents": "coding-agent sessions against mlx_lm.server over HTTP",
 }
 
 

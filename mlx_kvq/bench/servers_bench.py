@@ -1,11 +1,8 @@
 """Servers: `mlx-kvq serve` against `mlx_lm.server` over HTTP, on one real model.
 
 Both servers run as processes on the same model directory and the same
-BLAS: mlx-kvq binds OpenBLAS itself (`mlx_kvq.blas`), and `mlx_lm.server`
-is started by a two-line launcher that binds the same library the same way
-before running `mlx_lm.server`'s own `main` (an `LD_PRELOAD` cannot do it:
-the `scipy-openblas32` library exports its functions as `scipy_cblas_*`).
-Each server's BLAS line is recorded from the server itself.
+BLAS, each recording the BLAS it bound (`server_process`: the arms, their
+processes and readiness, shared with the agents section).
 
 Startup is timed with each server alone on the machine, `server_starts`
 times per server in an order that alternates (a server starting beside
@@ -36,200 +33,23 @@ must say what `mlx_lm.server` says).
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from .server_process import (
+    BASELINE,
+    Answer,
+    Server,
+    arms,
+    load_tokenizer,
+    model_context,
+    read_weights,
+)
 from .settings import BenchSettings
 from .timing import Stat, format_spread, paired_ratio
-
-BASELINE = "mlx_lm.server"
-STARTUP_TIMEOUT_S = 900.0
-REQUEST_TIMEOUT_S = 3600.0
-
-# mlx_lm.server on the BLAS mlx-kvq binds: the same library, bound the same way.
-_MLX_LM_LAUNCHER = (
-    "import sys\n"
-    "from mlx_kvq.blas import use_fast_blas\n"
-    "print('mlx-kvq bench: BLAS ' + use_fast_blas().summary(), file=sys.stderr, flush=True)\n"
-    "from mlx_lm.server import main\n"
-    "sys.argv = ['mlx_lm.server', *sys.argv[1:]]\n"
-    "main()\n"
-)
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One server of the comparison: its name and the command line that starts it."""
-
-    name: str
-    flags: tuple[str, ...]
-    baseline: bool = False
-
-    def display(self, model: str) -> str:
-        """The command line a user would type for this arm."""
-        name = BASELINE if self.baseline else "mlx-kvq serve"
-        return " ".join([name, "--model", model, *self.flags])
-
-    def command(self, model: str, port: int) -> list[str]:
-        where = ["--model", model, "--host", "127.0.0.1", "--port", str(port)]
-        if self.baseline:
-            return [sys.executable, "-c", _MLX_LM_LAUNCHER, *where, *self.flags]
-        return [sys.executable, "-m", "mlx_kvq", "serve", *where, *self.flags]
-
-
-def arms(settings: BenchSettings) -> list[Arm]:
-    """`mlx_lm.server` first, then one mlx-kvq arm per entry of `server_arms`
-    (its `serve` flags; an empty entry: the defaults)."""
-    out = [Arm(BASELINE, (), baseline=True)]
-    for text in settings.server_arms:
-        flags = tuple(shlex.split(text))
-        out.append(Arm("mlx-kvq " + (" ".join(flags) or "default"), flags))
-    return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class Answer:
-    seconds: float
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-def _post(url: str, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> dict:
-    data = json.dumps(body).encode()
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def _get(url: str, timeout: float = 10.0) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        try:
-            return e.code, json.loads(e.read() or b"{}")
-        except ValueError:
-            return e.code, {}
-
-
-@dataclass
-class Server:
-    """A running server process and what its start measured."""
-
-    arm: Arm
-    model: str
-    port: int = field(default_factory=_free_port)
-    proc: subprocess.Popen | None = None
-    log_path: str = ""
-    ready_s: float | None = None  # mlx-kvq: /health 200; mlx_lm.server: first answer
-    first_answer_s: float | None = None
-    blas: str | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, warm_prompt: str) -> None:
-        """Start the process and wait until it has answered a first request."""
-        fd, self.log_path = tempfile.mkstemp(prefix="mlx-kvq-bench-server-", suffix=".log")
-        log = os.fdopen(fd, "w")
-        env = dict(os.environ)
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            self.arm.command(self.model, self.port), stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-        log.close()
-        deadline = t0 + STARTUP_TIMEOUT_S
-        if not self.arm.baseline:
-            while True:
-                self._alive_or_raise(deadline)
-                try:
-                    status, body = _get(self.url + "/health", timeout=5)
-                except OSError:
-                    status, body = 0, {}
-                if status == 200:
-                    self.ready_s = time.perf_counter() - t0
-                    self.blas = (body.get("blas") or {}).get("config") or str(body.get("blas"))
-                    break
-                if body.get("status") == "failed":
-                    raise RuntimeError(f"{self.arm.name}: engine failed: {body}\n{self.tail()}")
-                time.sleep(0.02)
-        while True:
-            self._alive_or_raise(deadline)
-            try:
-                self.complete(warm_prompt, 1, timeout=STARTUP_TIMEOUT_S)
-                break
-            except (ConnectionError, urllib.error.URLError, OSError):
-                time.sleep(0.02)
-        self.first_answer_s = time.perf_counter() - t0
-        if self.arm.baseline:
-            self.ready_s = self.first_answer_s
-            marker = "mlx-kvq bench: BLAS "
-            line = next((x for x in self.tail(20000).splitlines() if marker in x), "")
-            self.blas = line.split(marker, 1)[-1] or None
-
-    def _alive_or_raise(self, deadline: float) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(
-                f"{self.arm.name} exited with {self.proc.returncode} while starting:\n{self.tail()}"
-            )
-        if time.perf_counter() > deadline:
-            raise RuntimeError(f"{self.arm.name} not ready after {STARTUP_TIMEOUT_S:.0f} s")
-
-    def tail(self, n: int = 4000) -> str:
-        try:
-            return Path(self.log_path).read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def complete(self, prompt: str, max_tokens: int, timeout: float = REQUEST_TIMEOUT_S) -> Answer:
-        body = {
-            "model": "default_model",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "stream": False,
-        }
-        t0 = time.perf_counter()
-        reply = _post(self.url + "/v1/completions", body, timeout)
-        seconds = time.perf_counter() - t0
-        usage = reply.get("usage") or {}
-        return Answer(
-            seconds,
-            reply["choices"][0].get("text", ""),
-            int(usage.get("prompt_tokens", 0)),
-            int(usage.get("completion_tokens", 0)),
-        )
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.log_path:
-            Path(self.log_path).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -315,13 +135,7 @@ def _check_lengths(settings: BenchSettings) -> None:
     """Refuse, before any server starts, a prompt longer than the model's
     context (`max_position_embeddings` in config.json): mlx-kvq serve answers
     it with a 400, and the run would end there after the other arms' work."""
-    try:
-        config = json.loads((Path(settings.server_model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return
-    context = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
-        "max_position_embeddings"
-    )
+    context = model_context(settings.server_model)
     long, short, shorts = settings.server_mixed
     for flag, tokens in (
         ("--server-long", settings.server_long + 1),
@@ -335,12 +149,6 @@ def _check_lengths(settings: BenchSettings) -> None:
             )
 
 
-def _load_tokenizer(model: str):
-    from mlx_lm.utils import load_tokenizer
-
-    return load_tokenizer(Path(model))
-
-
 def run(settings: BenchSettings, log=print) -> dict:
     model = settings.server_model
     if not model:
@@ -348,13 +156,10 @@ def run(settings: BenchSettings, log=print) -> dict:
     _check_lengths(settings)
     if settings.server_starts < 1:
         raise ValueError("--server-starts must be at least 1: startup is always timed")
-    tokenizer = _load_tokenizer(model)
+    tokenizer = load_tokenizer(model)
     prompts = Prompts(tokenizer, _read_text(settings))
-    for path in Path(model).glob("*.safetensors"):  # the same page cache for every start
-        with open(path, "rb") as f:
-            while f.read(1 << 24):
-                pass
-    servers = [Server(arm, model) for arm in arms(settings)]
+    read_weights(model)  # the same page cache for every start
+    servers = [Server(arm, model) for arm in arms(settings.server_arms)]
     names = [s.arm.name for s in servers]
     warm = prompts.take(16)
     out: dict = {

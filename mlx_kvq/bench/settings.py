@@ -37,9 +37,9 @@ MODELS: dict[str, dict] = {
     ),
 }  # fmt: skip
 
-SECTIONS = ("attention", "model", "memory", "serving", "budget", "servers")
-# what a run measures unless --sections says otherwise: the servers section
-# needs a real model (--model) and starts processes
+SECTIONS = ("attention", "model", "memory", "serving", "budget", "servers", "agents")
+# what a run measures unless --sections says otherwise: the servers and agents
+# sections need a real model (--model) and start processes
 DEFAULT_SECTIONS = ("attention", "model", "memory", "serving", "budget")
 
 
@@ -100,6 +100,16 @@ class BenchSettings:
     server_rounds: int = 2
     server_starts: int = 2  # timed starts per server, each alone, alternating
     server_text: str | None = None  # prompts are cut from it (default: the demo texts)
+    # coding-agent sessions against mlx_lm.server over HTTP, on server_model (agents_bench.py)
+    agent_arms: tuple[str, ...] = ("", "--kv-bits 0")  # serve flags per arm ("": defaults)
+    agent_sessions: int = 4  # sessions at once
+    agent_turns: int = 6  # turns per session
+    agent_system: int = 2100  # tokens of the shared system prompt (at most)
+    agent_tool_chars: int = 2400  # characters of Python source per tool result (about)
+    agent_tokens: int = 40  # answer tokens per turn (at most)
+    agent_rewrite: int = 4  # the turn that clears each session's first tool result (0: none)
+    agent_api: str = "auto"  # auto (chat if the model has a chat template), chat, completions
+    agent_sources: str | None = None  # a folder of .py files (default: the standard library)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -39,6 +39,11 @@ def settings_from_args(args: argparse.Namespace):
         "server_mixed": args.server_mixed, "server_long": args.server_long,
         "server_rounds": args.server_rounds, "server_text": args.server_text,
         "server_starts": args.server_starts,
+        "agent_arms": args.agent_arms, "agent_sessions": args.agent_sessions,
+        "agent_turns": args.agent_turns, "agent_system": args.agent_system,
+        "agent_tool_chars": args.agent_tool_chars, "agent_tokens": args.agent_tokens,
+        "agent_rewrite": args.agent_rewrite, "agent_api": args.agent_api,
+        "agent_sources": args.agent_sources,
     }  # fmt: skip
     s = replace(s, **{k: v for k, v in changes.items() if v is not None})
     if args.model_config:
@@ -60,8 +65,15 @@ def settings_from_args(args: argparse.Namespace):
     unknown = set(s.sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown bench sections {sorted(unknown)}; choose from {SECTIONS}")
-    if "servers" in s.sections and not s.server_model:
-        raise ValueError("the servers section runs both servers on a real model: pass --model")
+    for section in ("servers", "agents"):
+        if section in s.sections and not s.server_model:
+            raise ValueError(
+                f"the {section} section runs both servers on a real model: pass --model"
+            )
+    if "agents" in s.sections:
+        from ..bench.agents_bench import check_settings
+
+        check_settings(s)
     if args.memory_dtype is None and s.memory_dtype not in s.dtypes:
         s = replace(s, memory_dtype=s.dtypes[0])
     return s

@@ -741,7 +741,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
         type=_tuple_names,
         default=None,
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: "
-        f"{','.join(DEFAULT_SECTIONS)}; servers: mlx-kvq serve against mlx_lm.server on --model)",
+        f"{','.join(DEFAULT_SECTIONS)}; servers: mlx-kvq serve against mlx_lm.server on --model; "
+        "agents: coding-agent sessions against both servers on --model)",
     )
     p.add_argument(
         "--dtypes", type=_tuple_names, default=None, help=f"default {','.join(d.dtypes)}"
@@ -881,12 +882,76 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="servers section: the text prompts are cut from (default: the demo texts)",
     )
+    _add_agent_flags(p, d)
     add_setting_flag(
         p,
         "each measured in the model section beside --bits (decode and prefill against unquantized)",
     )
     p.add_argument("--no-plots", action="store_true")
     add_seed_flag(p)
+
+
+def _add_agent_flags(p: argparse.ArgumentParser, d) -> None:
+    """The agents section's flags: the arms and the workload's sizes."""
+    p.add_argument(
+        "--agent-arms",
+        type=_arms,
+        default=None,
+        help="agents section: the mlx-kvq serve flags of each arm, ';'-separated, 'default' "
+        "for none (default: 'default;--kv-bits 0'); mlx_lm.server is always the baseline",
+    )
+    p.add_argument(
+        "--agent-sessions",
+        type=_positive(int),
+        default=None,
+        help=f"agents section: sessions at once (default {d.agent_sessions})",
+    )
+    p.add_argument(
+        "--agent-turns",
+        type=_positive(int),
+        default=None,
+        help=f"agents section: turns per session (default {d.agent_turns})",
+    )
+    p.add_argument(
+        "--agent-system",
+        type=_positive(int),
+        default=None,
+        help="agents section: tokens of the shared system prompt, an agent's instructions "
+        f"and tool list in JSON, at most (default {d.agent_system})",
+    )
+    p.add_argument(
+        "--agent-tool-chars",
+        type=_positive(int),
+        default=None,
+        help="agents section: characters of Python source in each turn's tool result, about "
+        f"(default {d.agent_tool_chars})",
+    )
+    p.add_argument(
+        "--agent-tokens",
+        type=_positive(int),
+        default=None,
+        help=f"agents section: greedy answer tokens per turn, at most (default {d.agent_tokens})",
+    )
+    p.add_argument(
+        "--agent-rewrite",
+        type=int,
+        default=None,
+        help="agents section: the turn from which each session's first tool result is "
+        f"replaced by a placeholder (default {d.agent_rewrite}; 0 for none)",
+    )
+    p.add_argument(
+        "--agent-api",
+        choices=("auto", "chat", "completions"),
+        default=None,
+        help="agents section: /v1/chat/completions with messages, or /v1/completions with "
+        "the history as plain text (default auto: chat if the model has a chat template)",
+    )
+    p.add_argument(
+        "--agent-sources",
+        default=None,
+        help="agents section: a folder whose .py files the tool results are cut from "
+        "(default: the Python standard library)",
+    )
 
 
 def _csv(values: tuple) -> str:
