@@ -75,6 +75,7 @@ from .server_process import (
     read_weights,
 )
 from .settings import BenchSettings
+from .timing import load_average
 
 UNQUANTIZED_FLAGS = ("--kv-bits", "0")
 RSS_INTERVAL_S = 0.05
@@ -528,8 +529,6 @@ class PeakRss:
 
 def run_arm(arm: Arm, model: str, workload: Workload, log=print) -> tuple[ArmRun, Server]:
     """Start `arm`'s server, run the workload on it, stop it."""
-    from .run import load_average
-
     server = Server(arm, model)
     try:
         server.start(WARM_PROMPT)

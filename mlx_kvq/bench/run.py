@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .settings import SECTIONS, BenchSettings
+from .timing import load_average
 
 SECTION_MODULES = {
     "attention": "attention_bench",
@@ -58,14 +59,6 @@ def environment() -> dict:
         "cpus": os.cpu_count(),
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
     }
-
-
-def load_average() -> list[float] | None:
-    """1/5/15-minute load averages: how shared the machine was."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def run(

@@ -33,7 +33,6 @@ must say what `mlx_lm.server` says).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ from .server_process import (
     read_weights,
 )
 from .settings import BenchSettings
-from .timing import Stat, format_spread, paired_ratio
+from .timing import Stat, format_spread, load_average, paired_ratio
 
 
 @dataclass(frozen=True)
@@ -166,7 +165,7 @@ def run(settings: BenchSettings, log=print) -> dict:
         "model": model,
         "endpoint": "/v1/completions, greedy, non-streaming",
         "arms": {s.arm.name: s.arm.display(model) for s in servers},
-        "load_average_start": _load(),
+        "load_average_start": load_average(),
     }  # fmt: skip
     scenarios = _scenarios(settings)
     tps: dict[str, dict[str, Stat]] = {name: {n: Stat() for n in names} for name, _ in scenarios}
@@ -263,7 +262,7 @@ def run(settings: BenchSettings, log=print) -> dict:
         a: {b: _agreement(texts[a], texts[b]) for b in names if b != a} for a in names
     }
     out["prompt_tokens_agree"] = all(prompt_tokens[n] == prompt_tokens[base] for n in names)
-    out["load_average_end"] = _load()
+    out["load_average_end"] = load_average()
     _log_summary(out, names, log)
     return out
 
@@ -271,13 +270,6 @@ def run(settings: BenchSettings, log=print) -> dict:
 def _agreement(a: list[str], b: list[str]) -> dict:
     same = sum(x == y for x, y in zip(a, b, strict=True))
     return {"same": same, "of": len(a)}
-
-
-def _load() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def _log_summary(out: dict, names: list[str], log) -> None:

@@ -8,12 +8,21 @@ between medians of the same run.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+
+
+def load_average() -> list[float] | None:
+    """1/5/15-minute load averages: how shared the machine was."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 @dataclass
