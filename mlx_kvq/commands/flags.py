@@ -25,6 +25,8 @@ from ..config import (
 )
 from ..defaults import DEFAULT_KV_CONFIG, resolve_widths
 from ..engine.disk import DEFAULT_DISK_BYTES
+from ..residency import DEFAULT_MODEL_ALIAS
+from ..residency.pool import DEFAULT_WAIT_S
 from ..sampling_params import DEFAULT_MAX_TOKENS, SamplingError, SamplingParams
 from ..server.settings import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RESPONSE_STORE_BYTES, ToolFormat
 from ..speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
@@ -467,9 +469,98 @@ DEFAULT_STEP_TIMEOUT_S = 300.0
 DEFAULT_MAX_QUEUED = 256
 
 
+class ServedModel(argparse.Action):
+    """`serve --model`, repeatable: every one is served (`args.models`), the
+    first is the default model (`args.model`, as for the other commands)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, "models", None)
+        models = [*(given if isinstance(given, list) else []), values]
+        namespace.models = models
+        namespace.model = models[0]
+
+
+def add_served_models_flags(p: argparse.ArgumentParser) -> None:
+    """The models one server serves and the memory they share."""
+    p.add_argument(
+        "--model",
+        action=ServedModel,
+        default=None,
+        help="model directory or repo, a GGUF file (converted once into a cache directory; "
+        "llama, qwen2, qwen3, gemma3), or an embedded demo model: demo:gemma (hybrid "
+        "attention, the default) or demo:full (full attention on every layer); repeat to "
+        f"serve several (the first is the default model, '{DEFAULT_MODEL_ALIAS}')",
+    )
+    p.set_defaults(models=None)
+    p.add_argument(
+        "--models-file",
+        default=None,
+        help="JSON or YAML file declaring models to serve, each with a name, aliases, its "
+        "own flags (e.g. '--kv-bits 4 --kv-cache-memory 1GiB') and whether it stays pinned "
+        "in memory (docs/server.md, 'Several models')",
+    )
+    p.add_argument(
+        "--models-memory",
+        type=parse_size,
+        default=None,
+        help="one memory budget for the weights and KV budgets of every resident model, "
+        "e.g. 8GiB; a model that does not fit evicts idle, unpinned ones, least recently "
+        "used first (default: the machine's share: half the RAM, or 90%% of Metal's "
+        "working set; at least what the first model holds)",
+    )
+    p.add_argument(
+        "--model-wait",
+        type=float,
+        default=DEFAULT_WAIT_S,
+        help="seconds a request for a model that does not fit waits for a resident model "
+        f"to become idle before a 503 with Retry-After (default: {DEFAULT_WAIT_S:g})",
+    )
+    p.add_argument(
+        "--declared-models-only",
+        action="store_true",
+        help="serve only the models of --model and --models-file (any other name: 404); by "
+        "default, as mlx_lm.server, a request naming a model directory, GGUF file or repo "
+        "loads it",
+    )
+
+
+# The flags a model of --models-file may set for itself (argparse names); the
+# others are the server's.
+MODEL_FLAGS = frozenset({
+    "kv_cache_memory", "kv_block_size", "adapter_path", "dtype", "trust_remote_code",
+    "chat_template", "use_default_chat_template", "chat_template_args", "tool_format",
+    "temp", "top_p", "top_k", "min_p", "max_tokens", "decode_concurrency",
+    "prompt_concurrency", "prefill_step_size", "prompt_cache_size", "prompt_cache_bytes",
+    "max_queued_requests",
+})  # fmt: skip
+
+
+def model_flags(base: argparse.Namespace, flags: list[str], where: str) -> argparse.Namespace:
+    """`base` with what `flags` (serve flags, as one model's own) set; a
+    ValueError naming `where` for a flag that is not a serve flag, a bad
+    value, or a flag only the whole server can take (`MODEL_FLAGS` and the
+    KV flags are a model's)."""
+    parser = argparse.ArgumentParser(prog=where, add_help=False, exit_on_error=False)
+    add_serve_flags(parser)
+    unset = object()
+    probe = argparse.Namespace(**{name: unset for name in vars(parser.parse_args([]))})
+    try:
+        parsed, unknown = parser.parse_known_args(flags, namespace=probe)
+    except (argparse.ArgumentError, SystemExit) as e:
+        raise ValueError(f"{where}: cannot read the flags {shlex.join(flags)}: {e}") from None
+    if unknown:
+        raise ValueError(f"{where}: {' '.join(unknown)} is not a flag of mlx-kvq serve")
+    given = {name: value for name, value in vars(parsed).items() if value is not unset}
+    server_wide = sorted(set(given) - MODEL_FLAGS - set(kv_flag_names()))
+    if server_wide:
+        named = ", ".join("--" + name.replace("_", "-") for name in server_wide)
+        raise ValueError(f"{where}: {named} is the whole server's, not one model's")
+    return argparse.Namespace(**{**vars(base), **given})
+
+
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """The `serve` flags: mlx_lm.server's names and meanings, plus ours."""
-    add_model_flag(p)
+    add_served_models_flags(p)
     add_dtype_flag(p)
     add_adapter_flag(p)
     add_draft_flags(p)

@@ -19,10 +19,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ..config import AUTO_BLOCK_SIZE, UnsupportedKVConfig
+from ..residency import Footprint, Loaded, ModelEntry, ModelPool
 from .flags import (
     API_KEY_ENV,
     add_serve_flags,
@@ -30,9 +34,12 @@ from .flags import (
     kv_config,
     sampling_defaults,
 )
+from .serve_models import declared_models, model_base, undeclared
 from .startup import (
     Launch,
     ModelSource,
+    fetched,
+    kv_setting,
     load_tokenizer,
     load_weights,
     model_directory,
@@ -168,31 +175,81 @@ def block_size_option(args: argparse.Namespace) -> int | str | None:
     return AUTO_BLOCK_SIZE if size is None else size or None
 
 
-def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> int:
-    """The KV budget: `--kv-cache-memory`, or the machine's default (less the
-    weights of the model and of `draft_model`), logged with how it was
-    derived. Refused (exit 2) when it cannot hold one prompt of a useful size
-    (`USEFUL_PROMPT` tokens, or the model's context when shorter) alone:
-    `--max-tokens` reserves nothing, sequences take memory as they grow."""
-    from ..engine.budget import (
-        Ledger,
-        Shape,
-        default_budget,
-        format_bytes,
-        machine_memory,
-        share_for,
-        weights_bytes,
-    )
-    from ..engine.memory import DECODE_RESERVE
-    from ..engine.runner import choose_layout
+@dataclass(frozen=True)
+class ModelsMemory:
+    """The memory budget the weights and KV budgets of every resident model
+    share (`--models-memory`, or the machine's share), and how many models
+    were declared: a model's default KV budget is an equal share of it less
+    its weights."""
+
+    budget: int
+    how: str
+    shares: int = 1
+
+    def kv_default(self, weights: int) -> tuple[int, str]:
+        """A model's KV budget without --kv-cache-memory, and how it was derived."""
+        from ..engine.budget import format_bytes
+
+        part = f"1/{self.shares} of " if self.shares > 1 else ""
+        how = (
+            f"default: {part}the models' memory budget of {format_bytes(self.budget)} "
+            f"({self.how}) less the weights ({format_bytes(weights)}); set --kv-cache-memory "
+            "to change it"
+        )
+        return max(0, self.budget // self.shares - weights), how
+
+
+def models_memory(args: argparse.Namespace, declared: int) -> ModelsMemory | None:
+    """The models' memory budget; None for one declared model without
+    --models-memory (its KV budget is derived from the machine as ever, and
+    the budget from it: `pool_memory`)."""
+    if args.models_memory is not None:
+        return ModelsMemory(args.models_memory, "--models-memory", declared)
+    if declared == 1:
+        return None
+    return ModelsMemory(*machine_share(), declared)
+
+
+def machine_share() -> tuple[int, str]:
+    """What the machine gives the models by default (the default KV budget of a
+    model without weights), and how it was derived."""
+    from ..engine.budget import default_budget, machine_memory
+
+    budget, how = default_budget(0, machine_memory())
+    return budget, f"the machine's default: {how}"
+
+
+def kv_cache_memory(
+    args: argparse.Namespace, model, plan, draft_model=None, memory: ModelsMemory | None = None
+) -> int:
+    """The KV budget: `--kv-cache-memory`, or the default (less the weights
+    of the model and of `draft_model`): the machine's, or a share of the
+    models' memory budget `memory`, logged with how it was derived. Refused
+    (exit 2) when it cannot hold one prompt of a useful size (`check_kv_budget`)."""
+    from ..engine.budget import default_budget, format_bytes, machine_memory, weights_bytes
 
     if args.kv_cache_memory is not None:
         budget, how = args.kv_cache_memory, "--kv-cache-memory"
     else:
         weights = weights_bytes(model) + (0 if draft_model is None else weights_bytes(draft_model))
-        budget, how = default_budget(weights, machine_memory())
-        how = f"default: {how}; set --kv-cache-memory to change it"
+        if memory is None:
+            budget, how = default_budget(weights, machine_memory())
+            how = f"default: {how}; set --kv-cache-memory to change it"
+        else:
+            budget, how = memory.kv_default(weights)
     log.info("KV cache memory: %s (%s)", format_bytes(budget), how)
+    check_kv_budget(args, plan, budget, how)
+    return budget
+
+
+def check_kv_budget(args: argparse.Namespace, plan, budget: int, how: str) -> None:
+    """Refuse a KV budget that cannot hold one prompt of a useful size
+    (`USEFUL_PROMPT` tokens, or the model's context when shorter) alone:
+    `--max-tokens` reserves nothing, sequences take memory as they grow."""
+    from ..engine.budget import Ledger, Shape, format_bytes, share_for
+    from ..engine.memory import DECODE_RESERVE
+    from ..engine.runner import choose_layout
+
     # priced in the layout the engine will hold it in (paged where the plan pages)
     on_disk = getattr(args, "prompt_cache_dir", None) is not None
     layout = choose_layout(plan, block_size_option(args), on_disk=on_disk)
@@ -210,17 +267,21 @@ def kv_cache_memory(args: argparse.Namespace, model, plan, draft_model=None) -> 
             f"{prompt} tokens and a decode reserve of {DECODE_RESERVE}, which needs "
             f"{format_bytes(verdict.needs)}: raise --kv-cache-memory"
         )
-    return budget
 
 
-def server_settings(args: argparse.Namespace, source: ModelSource, plan: dict):
-    """What the HTTP layer needs besides the engine."""
+def server_settings(
+    args: argparse.Namespace, source: ModelSource, plan: dict, names_checked: bool | None = None
+):
+    """What the HTTP layer needs besides the engine (`names_checked`: whether
+    every API checks `model`; default: whether --served-model-name was given)."""
     from ..server.guards.policy import GuardPolicy
     from ..server.settings import ServerSettings, ToolFormat
 
+    if names_checked is None:
+        names_checked = args.served_model_name is not None
     return ServerSettings(
         model_id=source.served_id,
-        names_checked=args.served_model_name is not None,
+        names_checked=names_checked,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_bytes=args.max_request_bytes,
         response_store_bytes=args.response_store_bytes,
@@ -272,15 +333,31 @@ def setup_logging(args: argparse.Namespace, rank: int | None = None) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted, in one process or on every rank of an
     `mlx.launch` group (rank 0 serves HTTP); status 2 for settings refused at
-    startup."""
-    from ..engine import Engine, check_batch_path, held_exact, warmup_spec
+    startup. The default model loads here; the others declared are checked
+    here and load on their first request (pinned ones once the port opens)."""
+    from ..engine import SHUTTING_DOWN, Engine, check_batch_path, held_exact, warmup_spec
+    from ..engine.budget import weights_bytes
 
     launch = Launch.current()
     setup_logging(args, launch.rank)
     with launch.refusing():
         kv_config(args)  # a bad flag fails before the weights are read
         check_numbers(args)
-        source = model_source(args)
+        margs, first, others = declared_models(args)  # margs: the default model's flags
+        if launch.grouped and (others or args.models_file):
+            raise ValueError(
+                "several models (--model repeated, --models-file) are not supported under "
+                "mlx.launch: a group serves one model"
+            )
+        for entry in others:
+            check_declared(entry)
+        if margs is not args:
+            kv_config(margs)
+            check_numbers(margs)
+        source = model_source(margs)
+        if first is not None:
+            source = replace(source, served_id=first.name)
+        check_names(source.served_id, first.aliases if first else (), others)
         launch.refuse_in_group(args, "draft_model", "adapter_path")
         if launch.grouped and args.prompt_cache_dir:
             raise ValueError(
@@ -292,21 +369,22 @@ def run(args: argparse.Namespace) -> int:
                 "--prompt-cache-bytes is not supported with --pipeline: ranks hold different "
                 "bytes, so byte-based eviction would diverge between them; use --prompt-cache-size"
             )
-        refuse_early(source, launch.kv_setting(args, source))
-    if launch.grouped or args.draft_model or source.local_config is None:
-        model, tokenizer = launch.load(source, args)  # a draft model is checked against it
+        refuse_early(source, launch.kv_setting(margs, source))
+        memory = models_memory(args, 1 + len(others))
+    if launch.grouped or margs.draft_model or source.local_config is None:
+        model, tokenizer = launch.load(source, margs)  # a draft model is checked against it
     else:  # a model on disk: its tokenizer loads while the engine warms up
-        model, tokenizer = load_weights(source, args), None
+        model, tokenizer = load_weights(source, margs), None
 
     def checks(plan) -> None:
         check_batch_path(plan.make_cache, kv, max_batch=plan.max_batch)
         warmup_spec(plan.max_window, kv, plan.max_context, held_exact(plan, None))
 
     with launch.refusing(f"KV setting refused for {source.served_id}: "):
-        kv = launch.kv_setting(args, source, model)
+        kv = launch.kv_setting(margs, source, model)
         plan, infos = launch.plan(model, kv, batch=True, checks=checks)
         per_token = {i["bytes_per_token"] for i in infos or ()}
-        if args.prompt_cache_bytes is not None and len(per_token) > 1:
+        if margs.prompt_cache_bytes is not None and len(per_token) > 1:
             raise UnsupportedKVConfig(
                 "--prompt-cache-bytes needs the same KV bytes per token on every rank "
                 f"(got {[i['bytes_per_token'] for i in infos]}); use --prompt-cache-size"
@@ -314,12 +392,16 @@ def run(args: argparse.Namespace) -> int:
     plan_dict = launch.plan_dict(plan, infos)
     if launch.leader:
         log.info("KV plan for %s:\n%s", source.served_id, launch.plan_text(plan, infos, True))
-    draft = load_draft(args, model, tokenizer, plan, kv)
+    draft = load_draft(margs, model, tokenizer, plan, kv)
     with launch.refusing():
-        budget = kv_cache_memory(args, model, plan, None if draft is None else draft.model)
-    # tests: "{rank}" in the gate path holds back one rank's warm-up
-    gate = args.warmup_gate.replace("{rank}", str(launch.rank)) if args.warmup_gate else None
-    options = engine_options(args, plan.max_context, gate, plan.max_batch, kv_cache_memory=budget)
+        budget = kv_cache_memory(margs, model, plan, None if draft is None else draft.model, memory)
+        weights = weights_bytes(model) + (0 if draft is None else weights_bytes(draft.model))
+        footprint = Footprint(weights, budget)
+        memory = pool_memory(memory, footprint, source.served_id)
+        settings = server_settings(margs, source, plan_dict, args.served_model_name is not None)
+    # tests: "{rank}" in the gate path holds back one rank's warm-up, "{model}" one model's
+    gate = warmup_gate(margs.warmup_gate, source.served_id, launch.rank)
+    options = engine_options(margs, plan.max_context, gate, plan.max_batch, kv_cache_memory=budget)
     coordinator = launch.coordinator(infos, args.distributed_step_timeout)
     with launch.refusing():  # e.g. a block size the disk tier cannot keep
         engine = Engine(model, tokenizer, plan, kv, options, draft=draft, coordinator=coordinator)
@@ -330,20 +412,207 @@ def run(args: argparse.Namespace) -> int:
     engine.start()  # it warms up while the tokenizer loads and the HTTP side is built
     try:
         if tokenizer is None:
-            engine.attach(load_tokenizer(source, args))
+            engine.attach(load_tokenizer(source, margs))
             log.debug("tokenizer loaded, the engine has it")
     except BaseException:
         engine.stop(timeout=None)  # the warm-up runs to its end: MLX aborts an exit mid-evaluation
         raise
+    pool: ModelPool | None = None
     try:
         from .http_process import serve_http
 
-        settings = server_settings(args, source, plan_dict)
-        rc = serve_http(engine, settings, args.host, args.port, args.log_level,
+        entry = ModelEntry(
+            source.served_id, margs.model or source.location,
+            first.aliases if first else (), bool(first and first.pinned), options=margs,
+        )  # fmt: skip
+        pool = models_pool(args, memory, entry, others, Loaded(engine, settings), footprint,
+                           launch.grouped)  # fmt: skip
+        rc = serve_http(pool, settings, args.host, args.port, args.log_level,
                         args.shutdown_timeout, connection_limits(args))  # fmt: skip
     finally:
+        if pool is not None:
+            pool.close(SHUTTING_DOWN)
+            pool.stop()
         engine.stop()
     return launch.leave(rc)
+
+
+def check_declared(entry: ModelEntry) -> None:
+    """Refuse at startup what a declared model's flags or config.json cannot
+    honour, and a place no model can be loaded from."""
+    from ..demo import resolve_model
+
+    args = entry.options
+    try:
+        kv_config(args)
+        check_numbers(args)
+        if not undeclared(entry.location, hub=True):
+            raise FileNotFoundError(
+                f"no model directory (with config.json), GGUF file or repo id at {entry.location}"
+            )
+        location = resolve_model(entry.location)[0]
+        if Path(location).is_dir():
+            source = ModelSource(location, entry.name)
+            refuse_early(source, kv_setting(args, source))
+    except (ValueError, FileNotFoundError) as e:
+        kind = type(e) if isinstance(e, UnsupportedKVConfig | FileNotFoundError) else ValueError
+        raise kind(f"model '{entry.name}': {e}") from None
+
+
+def check_names(default: str, aliases: tuple[str, ...], others: list[ModelEntry]) -> None:
+    """Refuse two models going by one name (ValueError naming it)."""
+    scratch = ModelPool(0)
+    scratch.declare(ModelEntry(default, default, aliases))
+    for entry in others:
+        scratch.declare(replace(entry, location=entry.name))
+
+
+def pool_memory(memory: ModelsMemory | None, first: Footprint, name: str) -> ModelsMemory:
+    """The models' memory budget once the default model is priced: with one
+    model and no --models-memory, the machine's share or what that model holds
+    when more (so that it runs as a single-model server would); refused when
+    the default model alone does not fit."""
+    from ..engine.budget import format_bytes
+
+    if memory is None:
+        try:
+            share, how = machine_share()
+        except ValueError:  # the machine's memory is unknown: --kv-cache-memory was given
+            share, how = 0, "the machine's memory is unknown"
+        if first.total > share:
+            share, how = first.total, f"what '{name}' holds"
+        return ModelsMemory(share, how)
+    if first.total > memory.budget:
+        raise ValueError(
+            f"the default model '{name}' holds {first.describe()}, more than the models' "
+            f"memory budget of {format_bytes(memory.budget)} ({memory.how}): raise "
+            "--models-memory or lower --kv-cache-memory"
+        )
+    return memory
+
+
+def models_pool(
+    args: argparse.Namespace,
+    memory: ModelsMemory,
+    default: ModelEntry,
+    others: list[ModelEntry],
+    loaded: Loaded,
+    footprint: Footprint,
+    grouped: bool,
+) -> ModelPool:
+    """The server's models: the default one resident, the other declared ones
+    loaded on request (pinned ones start loading now), and, unless
+    --declared-models-only, any model a request names (none in a group)."""
+    from ..engine.budget import format_bytes
+
+    loader = None
+    if not grouped:
+        loader = ServeLoader(args, memory, args.declared_models_only)
+    pool = ModelPool(memory.budget, loader, wait_s=args.model_wait)
+    pool.declare(default)
+    for entry in others:
+        pool.declare(entry)
+    pool.adopt(default.name, loaded, footprint)
+    if others or args.models_memory is not None:
+        log.info(
+            "models: %s; memory budget %s (%s) for their weights and KV budgets",
+            ", ".join(pool.names()), format_bytes(memory.budget), memory.how,
+        )  # fmt: skip
+    for entry in others:
+        if entry.pinned:
+            pool.preload(entry.name)
+    return pool
+
+
+def warmup_gate(gate: str | None, model: str, rank: int | None) -> str | None:
+    """The warm-up gate file of one model (tests: "{rank}" and "{model}" in
+    the path name the rank, and the model with its non-alphanumerics as "_")."""
+    if not gate:
+        return None
+    return gate.replace("{rank}", str(rank)).replace("{model}", re.sub(r"\W", "_", model))
+
+
+class ServeLoader:
+    """How `serve` loads a model on request (`residency.Loader`): the steps its
+    default model takes at startup (`run`), each refusal a ValueError naming
+    what cannot be honoured."""
+
+    def __init__(self, args: argparse.Namespace, memory: ModelsMemory, declared_only: bool):
+        self.base = model_base(args)
+        self.memory = memory
+        self.declared_only = declared_only
+        self.names_checked = args.served_model_name is not None
+
+    def named(self, name: str, hub: bool) -> ModelEntry | None:
+        if self.declared_only or not undeclared(name, hub):
+            return None
+        options = argparse.Namespace(**{**vars(self.base), "model": name})
+        return ModelEntry(name, name, declared=False, options=options)
+
+    def prepare(self, entry: ModelEntry) -> PreparedModel:
+        """Priced from its shapes: the weights are not read yet (`load_weights` lazy)."""
+        from ..engine.budget import format_bytes, weights_bytes
+
+        args = entry.options
+        source = fetched(replace(model_source(args), served_id=entry.name))
+        refuse_early(source, kv_setting(args, source))
+        model = load_weights(source, args, lazy=True)
+        weights = weights_bytes(model)
+        if args.kv_cache_memory is not None:
+            kv, how = args.kv_cache_memory, "--kv-cache-memory"
+        else:
+            kv, how = self.memory.kv_default(weights)
+        if kv <= 0:
+            raise ValueError(
+                f"its weights ({format_bytes(weights)}) leave it no KV budget ({how}); give "
+                "it --kv-cache-memory or raise --models-memory"
+            )
+        return PreparedModel(entry, source, model, Footprint(weights, kv), how, self.names_checked)
+
+
+class PreparedModel:
+    """A model priced, its weights not read (`residency.Prepared`)."""
+
+    def __init__(self, entry: ModelEntry, source: ModelSource, model: Any,
+                 footprint: Footprint, how: str, names_checked: bool):  # fmt: skip
+        self.entry = entry
+        self.source = source
+        self.model = model
+        self.footprint = footprint
+        self.how = how
+        self.names_checked = names_checked
+
+    def finish(self) -> Loaded:
+        """Planned, checked and warming up with its tokenizer, as `run` does."""
+        from ..engine import Engine, check_batch_path, held_exact, warmup_spec
+        from ..engine.budget import format_bytes
+        from ..plan import plan_kv
+
+        args, source, model, name = self.entry.options, self.source, self.model, self.entry.name
+        kv = kv_setting(args, source, model)
+        plan = plan_kv(model, kv, batch=True)  # not cached: the model may be unloaded
+        check_batch_path(plan.make_cache, kv, max_batch=plan.max_batch)
+        warmup_spec(plan.max_window, kv, plan.max_context, held_exact(plan, None))
+        log.info("KV plan for %s:\n%s", name, plan.table())
+        budget = self.footprint.kv
+        log.info("KV cache memory of %s: %s (%s)", name, format_bytes(budget), self.how)
+        check_kv_budget(args, plan, budget, self.how)
+        gate = warmup_gate(args.warmup_gate, name, None)
+        options = engine_options(args, plan.max_context, gate, plan.max_batch,
+                                 kv_cache_memory=budget)  # fmt: skip
+        engine = Engine(model, None, plan, kv, options)
+        log.info("%s: %s", name, engine.capacity.line)
+        engine.start()
+        try:
+            engine.attach(load_tokenizer(source, args))
+        except BaseException:
+            engine.stop(timeout=None)  # the warm-up runs to its end
+            raise
+        settings = server_settings(args, source, plan.to_dict(), self.names_checked)
+        return Loaded(engine, settings)
+
+    def discard(self) -> None:
+        self.model = None
 
 
 def load_draft(args: argparse.Namespace, model, tokenizer, plan, kv):

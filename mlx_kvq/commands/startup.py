@@ -136,29 +136,38 @@ def load_model(source: ModelSource, args: argparse.Namespace) -> tuple[Any, Any]
     `--trust-remote-code` reaches the model too (custom `model_file`
     architectures), as in mlx_lm.server.
     """
-    if source.local_config is None:
-        from ..mlx_lm_internals import local_model
-
-        try:
-            source = replace(source, location=str(local_model(source.location)))
-        except Exception as e:  # noqa: BLE001 - any fetch failure is a bad --model
-            raise ValueError(
-                f"could not load the model from {source.location}: {type(e).__name__}: {e}"
-            ) from e
+    source = fetched(source)
     return load_weights(source, args), load_tokenizer(source, args)
 
 
-def load_weights(source: ModelSource, args: argparse.Namespace) -> Any:
+def fetched(source: ModelSource) -> ModelSource:
+    """`source` on disk: a hub repo id is fetched first (as mlx-lm's `load`
+    does); a failure names the model."""
+    if source.local_config is not None:
+        return source
+    from ..mlx_lm_internals import local_model
+
+    try:
+        return replace(source, location=str(local_model(source.location)))
+    except Exception as e:  # noqa: BLE001 - any fetch failure is a bad --model
+        raise ValueError(
+            f"could not load the model from {source.location}: {type(e).__name__}: {e}"
+        ) from e
+
+
+def load_weights(source: ModelSource, args: argparse.Namespace, lazy: bool = False) -> Any:
     """The model on disk, as mlx-lm's `load` makes it but without its
     tokenizer (`load_tokenizer`), so that `serve` warms up while the
-    tokenizer loads; a failure names the model."""
+    tokenizer loads; a failure names the model. `lazy`: no weight is read
+    yet (their bytes are known from their shapes; the engine reads them)."""
     from mlx_lm.utils import load_adapters
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
     try:
         model, _ = mlx_lm_load_model(
-            Path(source.location), trust_remote_code=getattr(args, "trust_remote_code", False)
-        )
+            Path(source.location), lazy=lazy,
+            trust_remote_code=getattr(args, "trust_remote_code", False),
+        )  # fmt: skip
         if source.adapter_path is not None:
             model = load_adapters(model, source.adapter_path)
             model.eval()
@@ -337,11 +346,14 @@ class Launch:
 
     def plan(self, model: Any, kv: KVConfig, *, batch: bool = False, checks: Any = None):
         """(this process's plan, every rank's plan summary or None), `checks(plan)`
-        run on it; in a group every rank raises when one cannot honour the plan."""
+        run on it; in a group every rank raises when one cannot honour the plan.
+        The batch plan (a server's) is made for its engine alone: `get_plan`'s
+        cache would hold the model for good, and a server may unload it."""
         from ..generate import get_plan
+        from ..plan import plan_kv
 
         if not self.grouped:
-            plan = get_plan(model, kv, batch=batch)
+            plan = plan_kv(model, kv, batch=True) if batch else get_plan(model, kv)
             if checks is not None:
                 checks(plan)
             return plan, None

@@ -1,9 +1,9 @@
-"""The FastAPI app: the routers of this package over one engine.
+"""The FastAPI app: the routers of this package over the models of one pool.
 
 HTTP only. `openai/` answers OpenAI's chat and completions endpoints,
 `anthropic/` Anthropic's Messages, `responses/` OpenAI's Responses (all
-three through the one chat model of `chat/`), `probes.py` the probes and
-metrics, `web.py` the page at `/` and `/status`, `api_doc.py`
+three through the one chat model of `chat/`, each request routed to the
+model it names by `models.py`), `probes.py` the probes and metrics, `web.py` the page at `/` and `/status`, `api_doc.py`
 `/openapi.json`; errors leave in OpenAI's body shape, or Anthropic's on its
 routes (`errors.py`); `guards/` refuses what a web page must not send (a
 foreign Host or Origin, API bodies that are not JSON) and new requests while
@@ -22,17 +22,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlx_kvq.blas import blas_info
 from mlx_kvq.engine import Engine
+from mlx_kvq.residency import Loaded, ModelPool
 
 from .anthropic.routes import messages_router
 from .api_doc import openapi_document
 from .chat.prompting import PromptWork
-from .chat.service import ChatService
 from .errors import APIError, error_response_for, validation_message
 from .guards.auth import api_key_check
 from .guards.browser import GuardMiddleware
 from .guards.draining import InFlightMiddleware, Lifecycle
+from .models import ModelDirectory
 from .openai.routes import openai_router
-from .probes import budget_status, probes_router
+from .probes import probes_router
 from .responses.routes import responses_router
 from .responses.store import AgentCounters
 from .settings import ServerSettings
@@ -43,8 +44,12 @@ log = logging.getLogger("mlx_kvq.server")
 __all__ = ["Lifecycle", "ServerSettings", "create_app"]
 
 
-def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
-    """The app serving `engine`; `app.state.lifecycle` is how its process drains it."""
+def create_app(engine: Engine, settings: ServerSettings, pool: ModelPool | None = None) -> FastAPI:
+    """The app serving the models of `pool`, whose default model (resident)
+    is `engine` with `settings` (the server's settings too); without a pool,
+    `engine` alone. `app.state.lifecycle` is how its process drains it."""
+    if pool is None:
+        pool = ModelPool.holding(settings.model_id, Loaded(engine, settings))
     app = FastAPI(title="mlx-kvq", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.openapi = lambda: cached_openapi(app)
     app.state.engine = engine
@@ -53,6 +58,10 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.state.agent_counters = AgentCounters(settings.response_store_bytes)
     # one for the app: every endpoint that prepares prompts shares its threads and cap
     app.state.prompts = PromptWork(engine.tokenizer, settings.max_context, settings.prompt_workers)
+    models = app.state.models = ModelDirectory(pool, settings, app.state.prompts)
+    default = models.resident(pool.default)
+    assert default is not None and default.engine is engine, "the default model is `engine`"
+    models.service(default)  # made now: it says how the model's answers are split
     app.add_middleware(InFlightMiddleware, lifecycle=app.state.lifecycle)
     app.add_middleware(GuardMiddleware, policy=settings.guard)  # outermost: runs first
 
@@ -84,17 +93,12 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         log.exception("unhandled error")
         return respond(request, 500, f"internal error: {type(e).__name__}")
 
-    app.include_router(probes_router(engine, settings, app.state.agent_counters))
-    app.include_router(
-        web_router(
-            engine, settings, blas=lambda: blas_info().to_dict(), budget=budget_status(engine)
-        )
-    )
-    auth = api_key_check(settings.api_key, engine.metrics)
-    service = ChatService(engine, settings, app.state.prompts)
-    app.include_router(openai_router(service, auth))
-    app.include_router(messages_router(service, auth))
-    app.include_router(responses_router(service, auth, app.state.agent_counters))
+    app.include_router(probes_router(models, app.state.agent_counters))
+    app.include_router(web_router(models, blas=lambda: blas_info().to_dict()))
+    auth = api_key_check(settings.api_key, models)
+    app.include_router(openai_router(models, auth))
+    app.include_router(messages_router(models, auth))
+    app.include_router(responses_router(models, auth, app.state.agent_counters))
     return app
 
 

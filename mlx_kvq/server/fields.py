@@ -45,7 +45,11 @@ GENERIC = (
 H, A, R, IG = Treatment.HONOURED, Treatment.APPROXIMATE, Treatment.REFUSED, Treatment.IGNORED
 
 COMMON = {
-    "model": FieldDoc(H, "the served id or 'default_model'; any other name is a 404"),
+    "model": FieldDoc(
+        H,
+        "a served model's name or alias, 'default_model', or a model directory, GGUF file or "
+        "repo, loaded on demand; any other name is a 404",
+    ),
     "max_tokens": FieldDoc(H, "default --max-tokens; clamped to the context left"),
     "max_completion_tokens": FieldDoc(H, "takes precedence over max_tokens, as in mlx_lm.server"),
     "temperature": FieldDoc(H, "0 to 2 (0: greedy); default --temp"),
@@ -161,8 +165,9 @@ COMPLETIONS = {
 MESSAGES = {
     "model": FieldDoc(
         H,
-        "any name is answered by the loaded model (as llama-server does with one model); "
-        "with --served-model-name only that name or 'default_model', others 404",
+        "a served model's name or alias, or a model directory or GGUF file (loaded on "
+        "demand); any other name is answered by the default model (as llama-server does "
+        "with one model); with --served-model-name other names 404",
     ),
     "max_tokens": FieldDoc(
         H, "beyond the context the answer ends where the context does (stop_reason max_tokens)"
@@ -232,8 +237,8 @@ MESSAGES = {
 RESPONSES = {
     "model": FieldDoc(
         H,
-        "any name is answered by the loaded model; with --served-model-name only that name "
-        "or 'default_model', others 404",
+        "as for Messages: a served model's name or alias, or a directory or GGUF file; any "
+        "other name is answered by the default model; with --served-model-name, 404",
     ),
     "input": FieldDoc(
         H,

@@ -1,8 +1,12 @@
-"""`/metrics`: the engine's numbers in Prometheus text format.
+"""`/metrics`: the engines' numbers in Prometheus text format.
 
 A custom collector reads one engine snapshot per scrape into a registry
 owned by the app (never prometheus-client's global registry), so several
-apps in one process (tests) do not collide.
+apps in one process (tests) do not collide. `ModelsCollector` reads every
+resident model's engine: once the server knows more than one model, each
+engine's series carry a `model` label (a server that only ever knew one
+model exports them unlabelled, as always), and the models' memory budget
+and each model's loads, evictions and bytes held are series of their own.
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from mlx_kvq.engine import Engine, Outcome, RankView, Rejection
 from mlx_kvq.engine.disk import Skip
+from mlx_kvq.residency import ModelPool, ModelState, ModelView
 
 from .responses.store import AgentCounters
 
@@ -311,11 +316,98 @@ class AgentCollector(Collector):
         yield hosted
 
 
+def engine_kinds(view: ModelView) -> set[str]:
+    """The cache kinds a resident model's plan has (always exported)."""
+    assert view.loaded is not None
+    plan = view.loaded.served.plan if isinstance(view.loaded.served.plan, dict) else {}
+    return set(plan.get("kinds", ())) or set(view.loaded.engine.plan.kinds)
+
+
+class ModelsCollector(Collector):
+    """Every resident model's engine, and the models' residency (module docstring)."""
+
+    def __init__(self, pool: ModelPool):
+        self.pool = pool
+
+    def collect(self) -> Iterator:
+        views = self.pool.views()
+        several = len(views) > 1
+        merged: dict[str, Metric] = {}
+        for view in views:
+            if view.loaded is None:
+                continue
+            for family in EngineCollector(view.loaded.engine, engine_kinds(view)).collect():
+                if not several:
+                    yield family
+                    continue
+                into = merged.setdefault(
+                    family.name,
+                    Metric(family.name, family.documentation, family.type, family.unit),
+                )
+                into.samples += [
+                    s._replace(labels={**s.labels, "model": view.name}) for s in family.samples
+                ]
+        yield from merged.values()
+        yield from self.residency(views)
+
+    def residency(self, views: list[ModelView]) -> Iterator:
+        yield _gauge(
+            "models_memory_bytes",
+            "The memory budget of every resident model's weights and KV budget (--models-memory)",
+            self.pool.budget,
+        )
+        yield _gauge(
+            "models_bytes_held",
+            "Weights and KV budgets resident and loading models hold against it",
+            self.pool.held(),
+        )
+        yield _gauge(
+            "models_bytes_held_max", "The most bytes models held at once", self.pool.peak_held
+        )
+        families = {
+            "resident": GaugeMetricFamily(
+                P + "model_resident", "1 while the model is in memory", labels=["model"]
+            ),
+            "loads": CounterMetricFamily(
+                P + "model_loads", "Times the model was loaded", labels=["model"]
+            ),
+            "evictions": CounterMetricFamily(
+                P + "model_evictions", "Times the model was evicted for room", labels=["model"]
+            ),
+            "weights": GaugeMetricFamily(
+                P + "model_weights_bytes", "Bytes of the resident model's weights",
+                labels=["model"],
+            ),
+            "kv": GaugeMetricFamily(
+                P + "model_kv_budget_bytes", "The resident model's KV budget", labels=["model"]
+            ),
+            "requests": GaugeMetricFamily(
+                P + "model_requests_in_flight", "Requests routed to the model, not yet answered",
+                labels=["model"],
+            ),
+        }  # fmt: skip
+        for v in views:
+            resident = v.state is ModelState.READY and v.loaded is not None
+            families["resident"].add_metric([v.name], float(resident))
+            families["loads"].add_metric([v.name], float(v.loads))
+            families["evictions"].add_metric([v.name], float(v.evictions))
+            families["requests"].add_metric([v.name], float(v.requests))
+            if v.footprint is not None:
+                families["weights"].add_metric([v.name], float(v.footprint.weights))
+                families["kv"].add_metric([v.name], float(v.footprint.kv))
+        yield from families.values()
+
+
 def make_registry(
-    engine: Engine, kinds: set[str] | None = None, counters: AgentCounters | None = None
+    source: ModelPool | Engine, kinds: set[str] | None = None, counters: AgentCounters | None = None
 ) -> CollectorRegistry:
+    """The registry of an app: its pool's models (or one engine, with the
+    cache kinds always exported) and the agent APIs' numbers."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine, kinds))
+    if isinstance(source, ModelPool):
+        registry.register(ModelsCollector(source))
+    else:
+        registry.register(EngineCollector(source, kinds))
     if counters is not None:
         registry.register(AgentCollector(counters))
     return registry

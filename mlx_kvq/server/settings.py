@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from mlx_kvq.residency import DEFAULT_MODEL_ALIAS
 from mlx_kvq.sampling_params import SamplingParams
 
 from .guards.policy import GuardPolicy
 
-DEFAULT_MODEL_ALIAS = "default_model"  # what clients written for mlx_lm.server send
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_RESPONSE_STORE_BYTES = 64 * 1024 * 1024
 
@@ -44,3 +44,12 @@ class ServerSettings:
     prompt_workers: int = 2  # requests rendering and tokenizing prompts at once
     response_store_bytes: int = DEFAULT_RESPONSE_STORE_BYTES  # stored /v1/responses, bytes
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+__all__ = [
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "DEFAULT_MODEL_ALIAS",
+    "DEFAULT_RESPONSE_STORE_BYTES",
+    "ServerSettings",
+    "ToolFormat",
+]

@@ -5,7 +5,9 @@ step, its JavaScript libraries vendored with their licences, nothing from
 a CDN); they are read once when the router is made, so an installation
 without them fails at startup, not on the first visit. `/status` is open
 like `/health` and `/metrics` and, like them, carries numbers and settings,
-never prompt or completion text.
+never prompt or completion text. It describes the default model, or the one
+`?model=NAME` names, and lists every model (`models`) with the memory
+budget they share (`models_memory`): the page's model picker reads them.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from mlx_kvq.engine import Engine, MetricsSnapshot
+from mlx_kvq.residency import ModelView
 
 from .errors import error_response
+from .models import ModelDirectory
+from .probes import budget_status, model_summary
 from .prometheus import REQUEST_STATUSES
 
 STATIC_PACKAGE = "mlx_kvq.server"
@@ -237,18 +242,59 @@ def status_body(
     }
 
 
-def web_router(
-    engine: Engine,
-    settings: Any,
-    *,
-    blas: StatusSource | None = None,
-    budget: StatusSource | None = None,
-) -> APIRouter:
-    """`/`, `/favicon.ico`, `/static/<file>` and `/status` for `engine`.
+def absent_status(view: ModelView, settings: Any, blas: StatusSource | None) -> dict[str, Any]:
+    """`/status` of a model not in memory: where it is, and no engine numbers."""
+    return {
+        "model": view.name,
+        "status": view.state.value,
+        "reason": view.reason,
+        "api_key_required": settings.api_key is not None,
+        "warmup_seconds": None,
+        "plan": plan_status({}),
+        "kv": {"bytes": 0, "by_kind": {}, "layers": 0, "layers_quantized": 0},
+        "budget": None,
+        "blocks": None,
+        "prompt_cache": {
+            "entries": 0,
+            "max_entries": 0,
+            "bytes": 0,
+            "max_bytes": None,
+            "hits": 0,
+            "misses": 0,
+            "hit_rate": None,
+            "evictions": 0,
+            "cached_tokens": 0,
+        },  # fmt: skip
+        "prompt_cache_disk": None,
+        "queue_depth": 0,
+        "batch_size": 0,
+        "max_batch_size": 0,
+        "tokens_per_second": {"prompt": 0.0, "generation": 0.0},
+        "tokens": {"prompt": 0, "generation": 0},
+        "requests": {},
+        "memory": {"active": mx.get_active_memory(), "peak": mx.get_peak_memory()},
+        "blas": blas() if blas is not None else None,
+        "defaults": None,
+    }
 
-    `settings` is the server's `ServerSettings` (model id, plan dict, sampling
-    defaults). `blas` and `budget`, when given, are called on each `/status`
-    and their dicts shown as they are (null otherwise).
+
+def models_status(models: ModelDirectory) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every model (`model_summary`, with its name) and the memory budget they
+    share: `budget`, `held` (weights and KV budgets of resident and loading
+    models), `held_max`, and `measured` (weights, live KV and prompt caches)."""
+    rows = [{"name": v.name, **model_summary(v)} for v in models.views()]
+    measured = sum((r["weights_bytes"] or 0) + (r["kv_bytes"] or 0) for r in rows)
+    pool = models.pool
+    memory = {"budget": pool.budget, "held": pool.held(), "held_max": pool.peak_held,
+              "measured": measured}  # fmt: skip
+    return rows, memory
+
+
+def web_router(models: ModelDirectory, *, blas: StatusSource | None = None) -> APIRouter:
+    """`/`, `/favicon.ico`, `/static/<file>` and `/status` for the app's models.
+
+    `blas`, when given, is called on each `/status` and its dict shown as it
+    is (null otherwise).
     """
     assets = load_assets()
     router = APIRouter()
@@ -272,7 +318,18 @@ def web_router(
         return asset(name)
 
     @router.get("/status")
-    async def status() -> JSONResponse:
-        return JSONResponse(status_body(engine, settings, blas, budget))
+    async def status(model: str | None = None) -> JSONResponse:
+        name = models.pool.default if model is None else models.pool.known(model)
+        if name is None:
+            return error_response(404, f"no model '{model}' on this server", param="model",
+                                  code="model_not_found")  # fmt: skip
+        view = models.pool.view(name)
+        if view.loaded is None:
+            body = absent_status(view, models.settings, blas)
+        else:
+            engine = view.loaded.engine
+            body = status_body(engine, view.loaded.served, blas, budget_status(engine))
+        body["models"], body["models_memory"] = models_status(models)
+        return JSONResponse(body)
 
     return router

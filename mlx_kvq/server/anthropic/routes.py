@@ -14,24 +14,28 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from ..chat.service import ChatService
-from ..replies import client_gone, http_response
-from ..request_body import read_model
+from ..models import ModelDirectory
+from ..replies import answered, client_gone
+from ..request_body import read_routed
 from . import handlers
 from . import schemas as S
 
 
-def messages_router(service: ChatService, auth: Callable) -> APIRouter:
+def messages_router(models: ModelDirectory, auth: Callable) -> APIRouter:
     """The Messages routes; `auth` is the dependency that checks the API key."""
     router = APIRouter(dependencies=[Depends(auth)])
 
     async def count_tokens(request: Request) -> dict[str, Any]:
-        body = await read_model(request, S.CountTokensRequest, service)
-        return await handlers.count_tokens(service, body)
+        body, routed = await read_routed(request, S.CountTokensRequest, models)
+        try:
+            return await handlers.count_tokens(routed.service, body)
+        finally:
+            routed.lease.release()
 
     async def messages(request: Request) -> Response:
-        body = await read_model(request, S.MessagesRequest, service)
-        return http_response(await handlers.messages(service, body, client_gone(request)))
+        body, routed = await read_routed(request, S.MessagesRequest, models)
+        reply = handlers.messages(routed.service, body, client_gone(request))
+        return await answered(reply, routed.lease.release)
 
     router.add_api_route("/v1/messages", messages, methods=["POST"])
     router.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])

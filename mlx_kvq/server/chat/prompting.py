@@ -17,8 +17,10 @@ refuses what cannot fit the context before any work proportional to it:
   with 400 `context_length_exceeded`; nothing that could fit is.
 - the body's size is already capped (`--max-request-bytes`) as it arrives.
 
-Every endpoint that turns a request into a prompt goes through here: parse
-with `parse`, then `chat` or `completion` (or `run` for other work).
+Every endpoint that turns a request into a prompt goes through here: its
+body is parsed on these threads, checked with `check_fits` as it is
+(`request_body.read_routed`), then `chat` or `completion` (or `run` for
+other work).
 """
 
 from __future__ import annotations
@@ -31,12 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
-
 from mlx_kvq.engine.prompts import chat_tokens, completion_tokens
 from mlx_kvq.engine.segments import Checkpoint, chat_checkpoints
-
-from ..guards.body import parse_body
 
 T = TypeVar("T")
 COMPOSITION = 4  # code points a Unicode normalizer may compose into one (canonical, at most)
@@ -113,6 +111,16 @@ class PromptWork:
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="mlx-kvq-prompt")
         self._slots = asyncio.Semaphore(workers)
 
+    def sibling(self, tokenizer: Any, max_context: int | None) -> PromptWork:
+        """Prompt preparation for another model's tokenizer and context, on
+        these threads and within this cap (one app serving several models)."""
+        other = object.__new__(PromptWork)
+        other.tokenizer = tokenizer
+        other.max_context = max_context
+        other.chars_per_token = longest_token_chars(tokenizer) * COMPOSITION
+        other._executor, other._slots = self._executor, self._slots
+        return other
+
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on a prompt thread, once one of the `workers` slots is free."""
         async with self._slots:
@@ -134,16 +142,6 @@ class PromptWork:
                 f"the prompt has at least {least} tokens; this server's KV plan allows a "
                 f"context of {self.max_context} tokens"
             )
-
-    async def parse(self, raw: bytes, model: type[BaseModel]) -> BaseModel:
-        """`raw` parsed (`body.parse_body`), checked to fit, and validated as `model`.
-        Raises `BodyError`, `PromptTooLong` or pydantic's `ValidationError`."""
-
-        def work() -> BaseModel:
-            data = parse_body(raw, self.check_fits)
-            return model.model_validate(data)
-
-        return await self.run(work)
 
     async def chat(
         self,

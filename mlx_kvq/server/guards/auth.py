@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from fastapi import Request
 
-from mlx_kvq.engine import EngineMetrics, Outcome
+from mlx_kvq.engine import Outcome
 
 from ..errors import APIError
 
 
-def api_key_check(
-    api_key: str | None, metrics: EngineMetrics
-) -> Callable[[Request], Awaitable[None]]:
+class Counts(Protocol):
+    """Where a refused request is counted (an engine's metrics, the app's models)."""
+
+    def count_request(self, outcome: Outcome) -> None: ...
+
+
+def api_key_check(api_key: str | None, metrics: Counts) -> Callable[[Request], Awaitable[None]]:
     """A dependency refusing requests without `Authorization: Bearer <api_key>`
     or `x-api-key: <api_key>` (Anthropic's header; constant-time compare); no
     check when `api_key` is None."""

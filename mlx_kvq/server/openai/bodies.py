@@ -168,10 +168,14 @@ def completion_body(
     return body
 
 
-def models_body(model_id: str, created: int) -> dict[str, Any]:
+def models_body(models: list[dict[str, Any]], created: int) -> dict[str, Any]:
+    """OpenAI's model list: each of `models` (its `id` and fields of ours) as a model object."""
     return {
         "object": "list",
-        "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "mlx-kvq"}],
+        "data": [
+            {"id": m["id"], "object": "model", "created": created, "owned_by": "mlx-kvq", **m}
+            for m in models
+        ],
     }
 
 

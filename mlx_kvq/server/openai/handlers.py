@@ -17,31 +17,34 @@ from dataclasses import replace
 from typing import Any
 
 from mlx_kvq.engine import FinishEvent, GenerationRequest, PromptProgress, TokenEvent
+from mlx_kvq.residency import ModelView
 
 from ..chat.generation import IDLE
 from ..chat.job import Refusal
 from ..chat.service import ChatService
-from ..errors import APIError, error_body
+from ..errors import error_body
 from ..replies import Reply
-from ..settings import DEFAULT_MODEL_ALIAS, ServerSettings
+from ..settings import ServerSettings
 from . import bodies, schemas
 from .translate import chat_job
 
 ClientGone = Callable[[], Awaitable[None]]
 
 
-def models(settings: ServerSettings) -> dict[str, Any]:
-    return bodies.models_body(settings.model_id, settings.created)
+def models(settings: ServerSettings, views: list[ModelView]) -> dict[str, Any]:
+    """`GET /v1/models`: every model this server knows, the default first,
+    with where it is (`status`: loaded or not) and its aliases."""
+    return bodies.models_body([model_object(v) for v in views], settings.created)
 
 
-def model(settings: ServerSettings, model_id: str) -> dict[str, Any]:
+def model(settings: ServerSettings, view: ModelView) -> dict[str, Any]:
     """One model, as OpenAI's `GET /v1/models/{model}` (the client's `models.retrieve`)."""
-    if model_id not in (settings.model_id, DEFAULT_MODEL_ALIAS):
-        raise APIError(
-            404, f"the model '{model_id}' does not exist; this server serves "
-            f"'{settings.model_id}'", param="model", code="model_not_found",
-        )  # fmt: skip
-    return models(settings)["data"][0]
+    return bodies.models_body([model_object(view)], settings.created)["data"][0]
+
+
+def model_object(view: ModelView) -> dict[str, Any]:
+    """What `/v1/models` says of one model besides OpenAI's fields."""
+    return {"id": view.name, "status": view.state.value, "aliases": list(view.aliases)}
 
 
 async def chat_completion(

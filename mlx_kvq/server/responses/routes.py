@@ -13,22 +13,22 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from ..chat.service import ChatService
-from ..replies import client_gone, http_response
-from ..request_body import read_model
+from ..models import ModelDirectory
+from ..replies import answered, client_gone
+from ..request_body import read_routed
 from . import handlers
 from . import schemas as S
 from .store import AgentCounters
 
 
-def responses_router(service: ChatService, auth: Callable, counters: AgentCounters) -> APIRouter:
+def responses_router(models: ModelDirectory, auth: Callable, counters: AgentCounters) -> APIRouter:
     """The Responses routes; `auth` is the dependency that checks the API key."""
     router = APIRouter(dependencies=[Depends(auth)])
 
     async def create(request: Request) -> Response:
-        body = await read_model(request, S.ResponsesRequest, service)
-        reply = await handlers.create(service, counters, body, client_gone(request))
-        return http_response(reply)
+        body, routed = await read_routed(request, S.ResponsesRequest, models)
+        reply = handlers.create(routed.service, counters, body, client_gone(request))
+        return await answered(reply, routed.lease.release)
 
     async def retrieve(response_id: str) -> dict[str, Any]:
         return handlers.retrieve(counters, response_id)

@@ -115,6 +115,9 @@ export class Chat {
       text = `The server is shutting down (${status.reason || "no reason given"}).`;
     } else if (status.status === "failed") {
       text = `The engine failed: ${status.reason || "no reason given"}. Restart the server.`;
+    } else if (["available", "loading", "evicting"].includes(status.status)) {
+      text = `${status.model} is not in memory: a message sent now loads it first` +
+        (status.reason ? ` (last time: ${status.reason})` : "") + ".";
     }
     notice.textContent = text;
     notice.hidden = !text;

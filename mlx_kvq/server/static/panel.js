@@ -1,5 +1,6 @@
 // The KV panel: polls /status and shows the plan, the bytes held, the budget
-// (when the server has one) and the engine's numbers.
+// (when the server has one) and the engine's numbers; with several models, of
+// the one picked (the picker lists them and where each is).
 
 const POLL_MS = 1000;
 const HIDDEN_POLL_MS = 5000;
@@ -190,7 +191,33 @@ const STATE_WORDS = {
   shutting_down: "shutting down",
   failed: "failed",
   unreachable: "server unreachable",
+  available: "not loaded",
+  loading: "loading",
+  evicting: "unloading",
 };
+
+/** The model picker: shown when the server has several models. */
+function renderModels(models, current) {
+  const picker = $("model-picker");
+  const several = (models || []).length > 1;
+  $("model-choice").hidden = !several;
+  $("model").hidden = several;
+  if (!several) return;
+  const names = models.map((m) => m.name).join("\n");
+  if (picker.dataset.names !== names) {
+    picker.replaceChildren(...models.map((m) => {
+      const option = document.createElement("option");
+      option.value = m.name;
+      return option;
+    }));
+    picker.dataset.names = names;
+  }
+  models.forEach((m, i) => {
+    const where = STATE_WORDS[m.status] || m.status;
+    picker.options[i].textContent = `${m.name}${m.default ? " (default)" : ""}: ${where}`;
+  });
+  if (document.activeElement !== picker) picker.value = current;
+}
 const REQUEST_WORDS = { error: "failed", rejected: "refused" };
 
 function renderState(state, reason) {
@@ -200,13 +227,21 @@ function renderState(state, reason) {
   badge.title = reason || "";
 }
 
-/** Poll /status forever; `listener(status or null)` after each poll. */
+/** Poll /status (of the model picked) forever; `listener(status or null)` after each poll. */
 export function startPanel(listener) {
   let planShown = null;
+  let picked = null; // the model picked on the page; null: the server's default
+  let timer = null;
+  $("model-picker").addEventListener("change", (e) => {
+    picked = e.target.value;
+    clearTimeout(timer);
+    poll();
+  });
   async function poll() {
     let status = null;
+    const url = picked === null ? "/status" : `/status?model=${encodeURIComponent(picked)}`;
     try {
-      const response = await fetch("/status", { cache: "no-store" });
+      const response = await fetch(url, { cache: "no-store" });
       if (response.ok) status = await response.json();
     } catch {
       status = null;
@@ -214,6 +249,7 @@ export function startPanel(listener) {
     if (status) {
       $("model").textContent = status.model;
       document.title = `${status.model} · mlx-kvq`;
+      renderModels(status.models, status.model);
       renderState(status.status, status.reason);
       const planKey = JSON.stringify(status.plan);
       if (planKey !== planShown) {
@@ -228,7 +264,7 @@ export function startPanel(listener) {
       renderState("unreachable", "GET /status failed; retrying");
     }
     listener(status);
-    setTimeout(poll, document.hidden ? HIDDEN_POLL_MS : POLL_MS);
+    timer = setTimeout(poll, document.hidden ? HIDDEN_POLL_MS : POLL_MS);
   }
   poll();
 }
