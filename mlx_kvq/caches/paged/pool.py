@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from ...config import PAGED_BLOCK_SIZE, QuantSpec
 from ...quant import PagedKV, Store
-from .blocks import Account, BlockAllocator, PoolStats, chain_hashes
+from .blocks import Account, BlockAllocator, BlockTable, PoolStats, chain_hashes
 from .storage import storage_for
 
 PoolKey = tuple[int, int | None]  # (cache slot, member of a CacheList slot)
@@ -208,7 +208,9 @@ class Pages:
         self.limit: int | None = None  # bytes the storage may grow to (None: no limit)
         self.overdrafts = 0  # blocks made past the limit: a row needed one, none was free
         self._promised: dict[Account, dict[PoolKey, int]] = {}
-        self._claims: dict[Account, dict[PoolKey, list[int]]] = {}
+        # what each account claimed: tables of their own, so that a compaction
+        # between the claim and its release renumbers them with every table
+        self._claims: dict[Account, list[BlockTable]] = {}
         self._leaving: set[Account] = set()  # rows leaving the batch before the next step
 
     def pool(
@@ -330,10 +332,15 @@ class Pages:
         until its tables hold them (`unclaim`). Returns how many per pool."""
         self.unclaim(account)
         found = {k: list(ids) for k, ids in blocks.items() if ids}
+        tables = []
         for key, ids in found.items():
-            self.pools[key].incref(ids, account)
-        if found:
-            self._claims[account] = found
+            pool = self.pools[key]
+            pool.incref(ids, account)
+            table = BlockTable(pool, list(ids))
+            table.account = account
+            tables.append(table)
+        if tables:
+            self._claims[account] = tables
         return {k: len(ids) for k, ids in found.items()}
 
     def key_of(self, pool: BlockPool) -> PoolKey:
@@ -341,8 +348,8 @@ class Pages:
         return next(k for k, p in self.pools.items() if p is pool)
 
     def unclaim(self, account: Account) -> None:
-        for key, ids in self._claims.pop(account, {}).items():
-            self.pools[key].decref(ids, account)
+        for table in self._claims.pop(account, ()):
+            table.release()
 
     def stats(self) -> PagesStats:
         s = [p.stats() for p in self.pools.values()]
