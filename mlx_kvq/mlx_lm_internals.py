@@ -66,6 +66,41 @@ def prompt_chunks(generator: BatchGenerator) -> list[int]:
     return [len(s[0]) for s in segments if not (len(s) == 1 and len(s[0]) == 1)]
 
 
+def cut_segment(generator: BatchGenerator, uid: int, left: int) -> tuple[int, bool] | None:
+    """End a segment of prompt `uid`'s tokens still to process where `left`
+    of them remain after it, so that its caches come back there (a
+    response's `end_of_segment`). Returns how many segment ends come before
+    that point and whether the cut was made now (False: a segment ends there
+    already); None when the point is processed already.
+
+    mlx-lm 0.32.2 keeps the segments still to process of row `i` of the
+    prompt batch in `_currently_processing[i][0]` (its uid
+    `_prompt_batch.uids[i]`) and those of a queued prompt in
+    `_unprocessed_sequences[j][1]` (its uid `[j][0]`); `_next` takes each
+    step's chunk from the first segment and ends a segment when it is used up.
+    """
+    segments = None
+    for i, u in enumerate(generator._prompt_batch.uids):
+        if u == uid:
+            segments = generator._currently_processing[i][0]
+    for entry in generator._unprocessed_sequences:
+        if entry[0] == uid:
+            segments = entry[1]
+    if segments is None:
+        return None
+    at = sum(len(s) for s in segments) - left  # from the first token still to process
+    for j, segment in enumerate(segments):
+        if at <= 0:
+            return None
+        if at < len(segment):
+            segments[j : j + 1] = [segment[:at], segment[at:]]
+            return j, True
+        if at == len(segment):
+            return j, False
+        at -= len(segment)
+    return None
+
+
 @contextmanager
 def chunk_limit(generator: BatchGenerator, tokens: int) -> Iterator[None]:
     """Within the block, a prompt takes at most `tokens` per step (mlx-lm

@@ -6,7 +6,9 @@ first, with several writers; an engine restarted on a directory reads back
 the prefix an earlier one computed (greedy text unchanged), in the paged
 layout (full attention and hybrid) and the padded one; damaged and foreign
 files are skipped and the prefix computed; files hold the quantized bytes;
-a writer that is stuck never holds the engine up.
+a writer that is stuck never holds the engine up; a flood under a KV budget
+too small for it preempts and resumes through the prompt cache and the
+disk, within the budget.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from mlx_kvq.engine import (
     Checkpoint,
     Engine,
     EngineOptions,
+    FinishEvent,
     GenerationRequest,
     SamplingParams,
     Segment,
 )
+from mlx_kvq.engine.budget import Shape, share_for
 from mlx_kvq.engine.disk import DiskSettings
 from mlx_kvq.engine.disk.directory import DiskDirectory, chain_digests
 from mlx_kvq.engine.disk.fingerprint import Fingerprint
@@ -45,6 +49,8 @@ from mlx_kvq.engine.disk.records import (
     write_record,
 )
 from mlx_kvq.engine.disk.writer import DiskWriter, WriteJob
+from mlx_kvq.engine.memory import DECODE_RESERVE
+from mlx_kvq.engine.runner import choose_layout
 from mlx_kvq.plan import plan_kv
 
 FP = Fingerprint("ab" * 16, {"test": True})
@@ -212,7 +218,9 @@ def models(tmp_path_factory):
     return out
 
 
-def _engine(models, kind, directory, block=4, bits=4, cache_entries=10, **disk) -> Engine:
+def _engine(
+    models, kind, directory, block=4, bits=4, cache_entries=10, budget=None, step=2048, **disk
+) -> Engine:
     model, tokenizer = models[kind]
     kv = KVConfig(bits=bits, group_size=64)
     plan = plan_kv(model, kv, batch=True)
@@ -221,7 +229,7 @@ def _engine(models, kind, directory, block=4, bits=4, cache_entries=10, **disk) 
         settings = DiskSettings(str(directory), chunk_tokens=CHUNK, **disk)
     options = EngineOptions(
         block_size=block, max_context=plan.max_context, disk=settings,
-        prompt_cache_size=cache_entries,
+        prompt_cache_size=cache_entries, kv_cache_memory=budget, prefill_step_size=step,
     )  # fmt: skip
     eng = Engine(model, tokenizer, plan, kv, options)
     eng.start()
@@ -384,3 +392,42 @@ def test_a_restore_maps_the_blocks_memory_still_holds(models, tmp_path, caplog):
     line = next(r.getMessage() for r in caplog.records if "prompt cache dir (" in r.getMessage())
     # the system prompt's whole blocks in the full-attention layers are not read again
     assert "(148 of them mapped from memory" in line
+
+
+@pytest.mark.parametrize("block", [4, None], ids=["paged-hybrid", "padded"])
+def test_a_flood_under_a_small_budget_preempts_and_resumes_with_the_disk_tier(
+    models, tmp_path, block
+):
+    """Eight requests sharing a system prompt on a hybrid model, under a budget
+    that holds three as they start (their prefix not shared) and fewer whole: the newest are preempted
+    as the older ones grow and resume (the prompt cache and the disk keep the
+    prefix), every one is served, and the budget holds (the suite fails a
+    test whose engine counted an overrun)."""
+    model, _ = models["llama:sliding"]
+    plan = plan_kv(model, KVConfig(bits=4, group_size=64), batch=True)
+    layout = choose_layout(plan, block, on_disk=True)
+    cost = share_for(plan, 1, prefill_step=16, prompt_rows=8, paged=layout.paged,
+                     block_size=layout.block_size or 0).cost  # fmt: skip
+    system = (Checkpoint(150, Segment.SYSTEM),)
+    prompts = [PROMPT[:150] + [(13 * i + j) % 300 + 3 for j in range(30)] for i in range(8)]
+    p, answer = len(prompts[0]), 80
+    start = [Shape(p, p + DECODE_RESERVE)] * 3
+    budget = cost.bound(start, start)
+    whole = max(n for n in range(1, 8) if cost.bound([Shape(p, p + answer)] * n, []) <= budget)
+    assert whole < 3
+    eng = _engine(models, "llama:sliding", tmp_path, block, budget=budget, step=16)
+    sinks = []
+    for prompt in prompts:
+        c = Collector()
+        params = SamplingParams(max_tokens=answer, temperature=0.0)
+        eng.submit(GenerationRequest(prompt, params, checkpoints=system), c)
+        sinks.append(c)
+    for c in sinks:
+        c.wait()
+    m, ledger, stats = eng.metrics.snapshot(), eng.budget, eng.disk.stats()
+    _stop(eng)
+    assert all(isinstance(c.end, FinishEvent) for c in sinks), [c.end for c in sinks]
+    assert all(c.end.usage.completion_tokens == len(c.tokens) > 0 for c in sinks)
+    assert m.preemptions > 0 and 0 < m.resumptions <= m.preemptions
+    assert 0 < ledger.peak_held <= budget and ledger.overruns == 0
+    assert stats.writes > 0

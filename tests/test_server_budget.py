@@ -6,7 +6,12 @@ could never fit gets 400 at once naming the budget and what it needs, and
 once the engine runs every queued request is served, never more of them at
 once than the budget holds as they are (preempting when they grow past it),
 with the bytes held (live sequences and prompt cache) never above the budget
-after any step (counted inside the engine).
+after any step (counted inside the engine), paged and in padded rows.
+
+Sixteen chat sessions sharing a system prompt much longer than the hybrid
+model's windows, sent at once under a tight budget: the system prompt is
+computed once and mapped by the others, many decode at once, every one
+gets its whole answer, and the budget holds.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import time
 import httpx
 import pytest
 from kvq_testing.server import ServerProcess
+from kvq_testing.sessions import Sessions, chat_bodies, send, shared_prefix
 from kvq_testing.tiny import save_tiny_model
 from mlx_lm import load
 
@@ -63,10 +69,15 @@ def completion(server, prompt, max_tokens, stream=False):
         return r
 
 
-def test_flood_under_a_small_budget(model_dir, tmp_path):
+@pytest.mark.parametrize(
+    ("block_size", "flags"),
+    [(EngineOptions().block_size, ()), (None, ("--kv-block-size", "0"))],
+    ids=["paged", "padded"],
+)
+def test_flood_under_a_small_budget(model_dir, tmp_path, block_size, flags):
     model, _ = load(str(model_dir))
     plan = plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
-    layout = choose_layout(plan, EngineOptions().block_size)  # as the server lays it out
+    layout = choose_layout(plan, block_size)  # as the server lays it out
     cost = share_for(
         plan, BUDGET, prefill_step=2048, prompt_rows=8, paged=layout.paged,
         block_size=layout.block_size or 0,
@@ -78,7 +89,7 @@ def test_flood_under_a_small_budget(model_dir, tmp_path):
 
     gate = tmp_path / "gate"
     args = ("--kv-cache-memory", str(BUDGET), "--max-queued-requests", str(QUEUE),
-            "--warmup-gate", str(gate))  # fmt: skip
+            "--warmup-gate", str(gate), *flags)  # fmt: skip
     with ServerProcess(model_dir, *args) as server:
         server.wait_for("/health", 503)
         assert f"KV budget {SHOWN}" in server.log()  # the capacity line, at startup
@@ -157,3 +168,40 @@ def test_flood_under_a_small_budget(model_dir, tmp_path):
         status = httpx.get(server.url + "/status", timeout=10).json()["budget"]
         assert status["bytes"] == BUDGET and status["capacity"] == health["line"]
         assert status["reserved"] == status["live"] == status["admitted"] == status["waiting"] == 0
+
+
+SESSIONS = Sessions(system_tokens=600, own_words=10, answer=64, window=64, kv_heads=1)
+
+
+def test_sessions_sharing_a_system_prompt_sent_at_once(tmp_path):
+    """Sixteen streaming chats with max_tokens 32000 sent at once to a hybrid
+    model (2 sliding-window layers of 64 tokens, 2 full-attention layers), one
+    system message of ~600 tokens and their own user message, under 1.5x what
+    one whole session holds plus what the other fifteen hold of their own, as
+    the budget prices them: 16 of 16 get the whole answer, no overrun, at most
+    the budget held, at least 14 decoding at once, and the prompt tokens
+    computed at most 1.2x the shared prefix and every session's own tokens.
+    (scripts/sessions_http.py runs it at any size.)"""
+    path = SESSIONS.save_model(tmp_path / "m")
+    model, tokenizer = load(str(path))
+    plan = plan_kv(model, DEFAULT_KV_CONFIG, batch=True)
+    options = EngineOptions()
+    layout = choose_layout(plan, options.block_size)  # as the server lays it out
+    cost = share_for(
+        plan, 1, prefill_step=options.prefill_step_size, prompt_rows=options.prompt_concurrency,
+        paged=layout.paged, block_size=layout.block_size or 0,
+    ).cost  # fmt: skip
+    conversations = SESSIONS.conversations()
+    prompts = SESSIONS.prompts(tokenizer, conversations)
+    shared = shared_prefix(prompts)
+    assert shared > 8 * SESSIONS.window
+    budget = SESSIONS.priced_budget(cost, prompts)
+    with ServerProcess(path, "--kv-cache-memory", str(budget)) as server:
+        server.wait_ready()
+        outcome = send(server, chat_bodies(SESSIONS, conversations), SESSIONS.answer_text)
+    assert outcome.served == 16, outcome.errors
+    assert outcome.overruns == 0 and 0 < outcome.held_max <= budget == outcome.budget
+    assert outcome.decoding_at_once >= 14, outcome
+    own = sum(len(p) - shared for p in prompts)
+    assert outcome.prompt_tokens <= 1.2 * (shared + own), outcome
+    assert outcome.cached_tokens >= 15 * (shared - SESSIONS.window), outcome

@@ -94,6 +94,7 @@ class PlanExecutor:
         plan = self.scheduler.schedule()
         if plan:
             self._carry_out(plan)
+        self._cut_prefilling()
         self.memory.trim_prompt_cache()
         self.memory.measure()
 
@@ -129,6 +130,25 @@ class PlanExecutor:
                 continue
             if first and seq.request.draft_tokens > 0:
                 self.metrics.count_draft_request(speculative=False)
+
+    def _cut_prefilling(self) -> None:
+        """Cut the prompts in the batch where prompts that came later part from
+        them (`Sequence.parting`, asked for by the scheduler), so that their
+        prefill stores a copy there, which the later ones wait for; a point
+        one has passed is waited for no more."""
+        if not self.prompt_cache.max_entries:
+            return
+        for seq in list(self.scheduler.running.values()):
+            if seq.uid is None or seq.status is not RequestStatus.PREFILLING or not seq.parting:
+                continue
+            for cut in seq.parting:
+                if cut.length not in seq.cuts_at:
+                    continue  # stored, or passed already
+                made = self.runner.cut(seq, cut.length)
+                if made is None:
+                    seq.cuts_at = tuple(n for n in seq.cuts_at if n != cut.length)
+                elif made[1]:
+                    seq.cuts.insert(made[0], cut.segment)
 
     def _guarded(self, seq: Sequence, action: Callable[[Sequence], Any]) -> bool:
         """Run `action(seq)`; if it raises, `seq` fails alone."""

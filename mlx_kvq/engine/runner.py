@@ -45,6 +45,7 @@ from mlx_kvq.config import AUTO_BLOCK_SIZE, PAGED_BLOCK_SIZE, UnsupportedKVConfi
 from mlx_kvq.mlx_lm_internals import (
     batch_caches,
     chunk_limit,
+    cut_segment,
     decode_with,
     decoding_caches,
     pending_token,
@@ -262,6 +263,16 @@ class BatchRunner:
         seq.uid = uid
         self.rows[uid] = seq
         return reused
+
+    def cut(self, seq: Sequence, length: int) -> tuple[int, bool] | None:
+        """End a piece of `seq`'s prompt still to process after its first
+        `length` tokens, where the batch hands back a copy of its caches: how
+        many of its piece ends still to come are before it, and whether the
+        cut was made now (False: a piece ends there already); None when it
+        is past that point."""
+        if seq.uid is None or seq.uid not in self.rows:
+            return None
+        return cut_segment(self._bg, seq.uid, len(seq.tokens) - length)
 
     def remove(self, seqs: list[Sequence], keep_caches: bool = False) -> dict[int, tuple]:
         """Take `seqs` out of the batch; their (cache, tokens) by request id

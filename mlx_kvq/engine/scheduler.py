@@ -90,7 +90,7 @@ class Sequence:
     on_lane: bool = False
     cuts: deque[Segment] = field(default_factory=deque)  # what the next prompt cuts store
     cuts_at: tuple[int, ...] = ()  # prompt lengths whose copies its prefill will store
-    parting: tuple[Checkpoint, ...] = ()  # where prompts queued beside it part from it
+    parting: tuple[Checkpoint, ...] = ()  # where prompts that came later part from it
     waited: bool = False  # waited for a prefix another sequence was prefilling
     stop_hit: bool = False
     preemptions: int = 0
@@ -269,9 +269,11 @@ class Scheduler:
         """The sequence still prefilling whose prompt starts as `seq`'s does and
         will store a copy of more of it than `seq` could start from now (None:
         none). `seq` waits for that copy instead of computing and holding its
-        prefix a second time. A sequence admitted in this step and not yet in
-        the batch is cut where `seq`'s prompt parts from its own, when that
-        adds enough (`parting_points`)."""
+        prefix a second time. The other sequence's prompt is cut where `seq`'s
+        parts from it, when that adds enough (`parting_points`): when it joins
+        the batch, or, in the batch already, where it has not got to yet
+        (`PlanExecutor` makes the cut before the next step; one it has passed
+        is waited for no more)."""
         tokens = None
         for other in self.running.values():
             if other.status is not RequestStatus.PREFILLING or not other.cuts_at:
@@ -281,10 +283,12 @@ class Scheduler:
                 now = self.memory.covered(tokens)
             prompt = other.request.prompt
             shared = common_prefix(prompt, tokens)
-            if other.uid is None and not other.on_lane and other.preemptions == 0:
+            if not other.on_lane and other.preemptions == 0:
+                asked = {c.length for c in other.parting}  # each is asked for once
                 for cut in parting_points(prompt, now, beside=[tokens[:shared]]):
-                    other.parting += (cut,)
-                    other.cuts_at = tuple(sorted({*other.cuts_at, cut.length}))
+                    if cut.length not in asked:
+                        other.parting += (cut,)
+                        other.cuts_at = tuple(sorted({*other.cuts_at, cut.length}))
             if any(now < length <= shared for length in other.cuts_at):
                 return other
         return None

@@ -156,7 +156,7 @@ class LaunchedServer(ServerProcess):
         """pid of each rank's python process (children of the launcher's shells)."""
         return _rank_pids(self.proc.pid)
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             _kill_group(self.proc, signal.SIGTERM)
             try:
@@ -215,7 +215,7 @@ class RankGroup(ServerProcess):
         self.procs[rank].send_signal(sig)
         self.procs[rank].wait(15)
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
@@ -228,11 +228,12 @@ class RankGroup(ServerProcess):
                 p.wait(5)
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop()
-        for f in self._logs:
-            f.close()
-        self._hostfile.close()
-        self._log.close()
+        try:
+            super().__exit__(*exc)
+        finally:
+            for f in self._logs:
+                f.close()
+            self._hostfile.close()
 
     def log(self, rank: int = 0) -> str:
         self._logs[rank].flush()

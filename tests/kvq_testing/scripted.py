@@ -691,12 +691,15 @@ def _bf16(x: float) -> float:
     return float(np.array([bits], np.uint32).view(np.float32)[0])
 
 
-def _weights(r: _Resolved, arch: str, window: int) -> tuple[dict[str, np.ndarray], dict]:
+def _weights(
+    r: _Resolved, arch: str, window: int, kv_heads: int = 1, layers: int | None = None
+) -> tuple[dict[str, np.ndarray], dict]:
     lay = _Layout.of(r)
     V, H, nT, n1 = r.vocab_size, lay.hidden, lay.n_triggers, lay.onehot
     u = math.sqrt(H)  # a normalized one-hot entry (RMS norms with unit weight)
     hybrid = arch == "hybrid"
-    n_heads, n_kv = 2, 1
+    n_kv = kv_heads
+    n_heads = max(2, n_kv)
     inter = _round_up(2 * len(r.steps))
     rng = np.random.default_rng(0)
 
@@ -735,6 +738,7 @@ def _weights(r: _Resolved, arch: str, window: int) -> tuple[dict[str, np.ndarray
         w = noise_layer()
         # Attention: one query for every token, a key on trigger tokens only.
         q, k, v = zeros(n_heads * HEAD_DIM, H), zeros(HEAD_DIM, H), zeros(HEAD_DIM, H)
+        # (every KV head gets the same key and value rows: tiled below)
         if hybrid:  # q_norm/k_norm fix the magnitude; their weights set the score
             qk = 1.0
             scale = math.sqrt(SCORE / HEAD_DIM * math.sqrt(HEAD_DIM))  # per side
@@ -749,8 +753,9 @@ def _weights(r: _Resolved, arch: str, window: int) -> tuple[dict[str, np.ndarray
         for t, tid in enumerate(r.triggers):
             k[QK_DIM, lay.dim(tid)] = qk / u
             v[0, lay.dim(tid)] = v[1 + t, lay.dim(tid)] = V_MAG / u  # two levels (see REF)
-        w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"] = q, k
-        w["self_attn.v_proj.weight"] = v
+        w["self_attn.q_proj.weight"] = q
+        w["self_attn.k_proj.weight"] = np.tile(k, (n_kv, 1))
+        w["self_attn.v_proj.weight"] = np.tile(v, (n_kv, 1))
         # Output: the share sum to BAL, each trigger's share (its slot minus REF,
         # the same quantization error cancelling) to TR_t.
         o = zeros(H, n_heads * HEAD_DIM)
@@ -806,9 +811,12 @@ def _weights(r: _Resolved, arch: str, window: int) -> tuple[dict[str, np.ndarray
             w["post_feedforward_layernorm.weight"] = norm(post)
         return {k: v.astype(np.float32) for k, v in w.items()}
 
-    layers = [noise_layer(), trigger_layer()]
-    if hybrid:  # sliding, full (trigger), sliding
-        layers.append(noise_layer())
+    count = layers if layers is not None else 3 if hybrid else 2
+    if count < 2:
+        raise ValueError(f"a scripted model has at least 2 layers, got {count}")
+    # layer 1 (full attention) reads the triggers; hybrid: sliding windows in
+    # the even layers, full attention in the odd ones
+    layers = [noise_layer(), trigger_layer()] + [noise_layer() for _ in range(count - 2)]
 
     embed_scale = _bf16(math.sqrt(H)) if hybrid else 1.0
     embed = zeros(V, H)
@@ -860,6 +868,8 @@ def save_scripted_model(
     arch: str = "llama",
     extra_tokens: Sequence[str] = (),
     window: int = 16,
+    kv_heads: int = 1,
+    layers: int | None = None,
 ) -> Path:
     """Write a scripted model directory at `path` and return it.
 
@@ -868,7 +878,9 @@ def save_scripted_model(
     no trigger is present. `template` is one of :data:`TEMPLATES`, `arch` one
     of :data:`ARCHS` ("llama": two full-attention layers; "hybrid":
     gemma3_text, sliding windows of `window` tokens in layers 0 and 2, full
-    attention in layer 1). `extra_tokens` are added to the vocabulary as
+    attention in layer 1); `kv_heads` KV heads of 64 dimensions each and
+    `layers` layers (default 2 for "llama", 3 for "hybrid", whose even layers
+    slide and odd ones attend fully) shape the KV caches. `extra_tokens` are added to the vocabulary as
     single tokens with no role (stop strings, for example). Besides the model
     files it writes `scripted.json` (the script's texts and token ids, see
     :func:`token_id`). The same call writes the same bytes. See the module
@@ -882,7 +894,7 @@ def save_scripted_model(
         raise ValueError(f"window must be positive, got {window}")
     resolved = _resolve(replies, default, template, extra_tokens)
     spec = _spec(template)
-    weights, config = _weights(resolved, arch, window)
+    weights, config = _weights(resolved, arch, window, kv_heads, layers)
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

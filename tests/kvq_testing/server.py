@@ -4,6 +4,10 @@ Tests talk to it with the official `openai` client and plain HTTP; nothing
 here asserts timings: waits are bounded only so that a broken server fails
 the test instead of hanging it. `MlxLmServerProcess` runs mlx-lm's own
 `mlx_lm.server` the same way, for parity tests that send both the same request.
+
+Exceeding the KV budget is a bug whatever a test asserts: a server stopped
+while it answers reads its `/metrics` first, and `stop` raises
+`BudgetOverrun` when the engine counted an overrun of its budget.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TESTS_DIR = REPO_ROOT / "tests"
 STARTUP_TIMEOUT_S = 180.0
+METRICS_AT_STOP_S = 5.0  # how long a stopping server's /metrics is waited for
+OVERRUNS = "mlx_kvq_kv_budget_overruns_total"
+
+
+class BudgetOverrun(AssertionError):
+    """The server's engine counted steps that held more than its KV budget."""
 
 
 def free_port() -> int:
@@ -97,6 +107,31 @@ class ServerProcess:
         return self.proc.wait(timeout)
 
     def stop(self) -> None:
+        """Stop the server; `BudgetOverrun` if its engine counted an overrun
+        of the KV budget (read from `/metrics` first, when it answers)."""
+        overruns = self.budget_overruns()
+        self.terminate()
+        if overruns:
+            raise BudgetOverrun(
+                f"the server counted {overruns:g} KV budget overruns ({OVERRUNS}):\n"
+                f"{self.log()[-4000:]}"
+            )
+
+    def budget_overruns(self) -> float:
+        """The engine's count of budget overruns (0 when the server does not
+        run or answer, or has no budget)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return 0
+        try:
+            r = httpx.get(self.url + "/metrics", headers=self.headers(), timeout=METRICS_AT_STOP_S)
+        except httpx.HTTPError:
+            return 0
+        if r.status_code != 200:
+            return 0
+        found = parse_metrics(r.text)  # every engine's count (labelled by model, if several)
+        return sum(v for k, v in found.items() if k == OVERRUNS or k.startswith(OVERRUNS + "{"))
+
+    def terminate(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -108,9 +143,14 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-        self._log.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        try:
+            self.stop()
+        except BudgetOverrun:
+            if exc_type is None:  # else the test's own failure is the one to show
+                raise
+        finally:
+            self._log.close()
 
     def log(self) -> str:
         self._log.flush()
@@ -175,6 +215,9 @@ class MlxLmServerProcess(ServerProcess):
     loads in its generation thread); requests wait for the load, so
     `wait_ready` followed by a request is still safe.
     """
+
+    def budget_overruns(self) -> float:
+        return 0  # mlx_lm.server has no KV budget
 
     def command(self) -> list[str]:
         if self.api_key:
